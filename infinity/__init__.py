@@ -1,0 +1,15 @@
+"""infinity: a memory-offload engine for training PyTorch models larger than memory.
+
+The data path, from the top: config -> engine -> scheduler -> swapper ->
+native I/O (`infinity.io`) -> disk; and the optimizer step -> CPU Adam.
+"""
+
+from infinity._native_loader import warn_if_missing as _warn_if_missing
+
+__version__ = "0.1.0"
+
+_warn_if_missing()
+
+from infinity import io  # noqa: E402
+
+__all__ = ["io", "__version__"]

@@ -1,0 +1,183 @@
+// The pybind11 edge: thin, releases the GIL around anything that can block,
+// and the only place where native errors become Python exceptions.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu/simd.hpp"
+#include "io/engine.hpp"
+#include "io/fault.hpp"
+#include "io/file.hpp"
+#include "io/handle.hpp"
+
+namespace py = pybind11;
+using namespace infinity::io;
+
+namespace {
+
+// OSError(errno, message, path) lets Python pick the subclass
+// (FileNotFoundError, PermissionError, ...); `offset` rides along.
+void raise_os_error(const IoError& e) {
+  const ErrorInfo& info = e.info();
+  // Python's OSError adds "[Errno N]" and the path itself.
+  std::string msg = (info.what.empty() ? std::string(std::strerror(info.err)) : info.what + " (" + std::strerror(info.err) + ")");
+  if (info.offset >= 0) msg += ", at offset " + std::to_string(info.offset);
+  py::object exc = py::reinterpret_borrow<py::object>(PyExc_OSError)(
+      info.err, msg, info.path.empty() ? py::object(py::none()) : py::object(py::str(info.path)));
+  exc.attr("offset") = info.offset;
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
+// Page-aligned memory exposed through the buffer protocol; torch.frombuffer
+// keeps this object alive for as long as any tensor uses the memory.
+class AlignedBuffer {
+ public:
+  AlignedBuffer(size_t nbytes, size_t alignment) : nbytes_(nbytes) {
+    if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment < sizeof(void*))
+      throw ArgumentError("alignment must be a power of two >= " + std::to_string(sizeof(void*)) + ", got " +
+                          std::to_string(alignment));
+    mem_ = aligned_alloc_bytes(nbytes, alignment);
+    if (!mem_) throw std::bad_alloc();
+    // Fresh pages are touched here so that the first I/O does not pay for
+    // page faults inside the timed region of a benchmark.
+    std::memset(mem_, 0, nbytes);
+  }
+  ~AlignedBuffer() { std::free(mem_); }
+  uintptr_t address() const { return reinterpret_cast<uintptr_t>(mem_); }
+  size_t nbytes() const { return nbytes_; }
+  void* data() const { return mem_; }
+
+ private:
+  void* mem_ = nullptr;
+  size_t nbytes_;
+};
+
+py::tuple buffer_address(py::handle obj, bool writable) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_FULL_RO) != 0) {
+    PyErr_Clear();
+    throw ArgumentError(std::string("expected a contiguous CPU tensor, a numpy array or a buffer, got ") +
+                        Py_TYPE(obj.ptr())->tp_name);
+  }
+  bool readonly = view.readonly;
+  bool contiguous = PyBuffer_IsContiguous(&view, 'C');
+  uintptr_t ptr = reinterpret_cast<uintptr_t>(view.buf);
+  size_t len = static_cast<size_t>(view.len);
+  PyBuffer_Release(&view);
+  if (writable && readonly)
+    throw ArgumentError("buffer is read-only: pread needs a writable buffer to read into");
+  if (!contiguous) throw ArgumentError("buffer is not contiguous: pass a contiguous copy");
+  return py::make_tuple(ptr, len);
+}
+
+Backend backend_from(const std::string& name) {
+  Backend b;
+  if (!parse_backend(name, &b))
+    throw ArgumentError("unknown native backend '" + name + "': expected libaio, io_uring or threads");
+  return b;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "infinity native core: async file I/O and CPU kernels (no torch headers)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const IoError& e) {
+      raise_os_error(e);
+    } catch (const ArgumentError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+  arm_fault_from_env();
+
+  py::class_<Request, std::shared_ptr<Request>>(m, "Future")
+      .def("wait", &Request::wait, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>(),
+           "Block until done or timeout seconds (negative: forever); True when done.")
+      .def("done", &Request::done)
+      .def("result", &Request::result, "Bytes moved; raises OSError if the request failed.")
+      .def_property_readonly("path", &Request::path)
+      .def_property_readonly("offset", &Request::offset)
+      .def_property_readonly("nbytes", &Request::nbytes)
+      .def_property_readonly("is_write", &Request::is_write);
+
+  py::class_<Handle>(m, "Handle")
+      .def(py::init([](const std::string& backend, size_t block_size, int queue_depth, int threads, bool direct) {
+             HandleOptions o;
+             o.backend = backend_from(backend);
+             o.block_size = block_size;
+             o.queue_depth = queue_depth;
+             o.threads = threads;
+             o.direct = direct;
+             return std::make_unique<Handle>(o);
+           }),
+           py::arg("backend"), py::arg("block_size"), py::arg("queue_depth"), py::arg("threads"), py::arg("direct"))
+      .def(
+          "submit",
+          [](Handle& h, bool write, uintptr_t ptr, size_t nbytes, const std::string& path, int64_t offset) {
+            return h.submit(write, reinterpret_cast<void*>(ptr), nbytes, path, offset);
+          },
+          py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("path"), py::arg("offset"),
+          py::call_guard<py::gil_scoped_release>())
+      .def("wait_all", &Handle::wait_all, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Handle::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &Handle::closed)
+      .def_property_readonly("inflight", &Handle::inflight)
+      .def_property_readonly("bytes_read", &Handle::bytes_read)
+      .def_property_readonly("bytes_written", &Handle::bytes_written);
+
+  py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
+      .def(py::init<size_t, size_t>(), py::arg("nbytes"), py::arg("alignment") = 4096)
+      .def_property_readonly("address", &AlignedBuffer::address)
+      .def_property_readonly("nbytes", &AlignedBuffer::nbytes)
+      .def_buffer([](AlignedBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.nbytes())}, {1});
+      });
+
+  m.def("buffer_address", &buffer_address, py::arg("obj"), py::arg("writable"),
+        "(address, nbytes) of a C-contiguous buffer; ValueError if read-only (when writable) or strided.");
+  m.def("compiled_backends", [] {
+    std::vector<std::string> out;
+    for (Backend b : {Backend::kIoUring, Backend::kLibaio, Backend::kThreads})
+      if (backend_compiled(b)) out.push_back(backend_name(b));
+    return out;
+  });
+  m.def(
+      "probe_backend",
+      [](const std::string& name) {
+        Backend b = backend_from(name);
+        if (!backend_compiled(b)) return std::string("not compiled in (headers missing at build time)");
+        int err = 0;
+        auto e = make_engine(b, 4, &err);
+        return e ? std::string() : std::string(std::strerror(err));
+      },
+      "Empty string when the backend starts here, else why not.");
+  m.def("page_size", &page_size);
+  m.def(
+      "direct_alignment",
+      [](const std::string& path) {
+        int64_t a = direct_alignment_of_path(path);
+        if (a < 0) throw IoError(ErrorInfo{static_cast<int>(-a), path, -1, "statx failed"});
+        return a;
+      },
+      py::arg("path"), "O_DIRECT alignment for files under path; 0 if the filesystem has no O_DIRECT.");
+  m.def(
+      "set_fault",
+      [](int64_t nth, const std::string& mode, int err) {
+        FaultMode fm = mode == "errno" ? FaultMode::kErrno : mode == "short" ? FaultMode::kShort
+                     : mode == "zero"  ? FaultMode::kZero : FaultMode::kNone;
+        if (fm == FaultMode::kNone) throw ArgumentError("fault mode must be errno, short or zero, got " + mode);
+        if (nth < 1) throw ArgumentError("nth must be >= 1, got " + std::to_string(nth));
+        arm_fault(nth, fm, err);
+      },
+      py::arg("nth"), py::arg("mode"), py::arg("errno") = 5,
+      "Test only: make the nth chunk completion from now fail (errno), come back half (short) or empty (zero).");
+  m.def("clear_fault", &disarm_fault);
+  m.def("simd_level", [] { return std::string(infinity::cpu::simd_name(infinity::cpu::active_simd())); });
+  m.def("cpu_simd_level", [] { return std::string(infinity::cpu::simd_name(infinity::cpu::detected_simd())); });
+  m.def("cpu_has_avx512_bf16", &infinity::cpu::cpu_has_avx512_bf16);
+}

@@ -1,0 +1,423 @@
+#include "handle.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+#include "fault.hpp"
+#include "file.hpp"
+
+namespace infinity::io {
+
+namespace {
+constexpr int kReapTimeoutMs = 100;  // a worker re-checks for shutdown this often
+constexpr int kMaxNoProgress = 8;    // zero-progress retries before a chunk fails
+
+size_t round_down(size_t x, size_t a) { return x / a * a; }
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+ErrorInfo make_error(int err, const std::string& path, int64_t offset, std::string what) {
+  return ErrorInfo{err, path, offset, std::move(what)};
+}
+}  // namespace
+
+// ---------------------------------------------------------------- Request
+
+Request::Request(Handle* handle, bool write, std::string path, int64_t offset, size_t nbytes)
+    : handle_(handle), write_(write), path_(std::move(path)), offset_(offset), nbytes_(nbytes) {}
+
+Request::~Request() {
+  // Only reached after complete(), which closed the fds; this guards the
+  // paths where submit() failed before any chunk was queued.
+  if (fd_direct_ >= 0) ::close(fd_direct_);
+  if (fd_buffered_ >= 0) ::close(fd_buffered_);
+}
+
+bool Request::wait(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout_s < 0) {
+    cv_.wait(lk, [&] { return done_; });
+    return true;
+  }
+  return cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_; });
+}
+
+bool Request::done() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_;
+}
+
+size_t Request::result() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!done_) throw ArgumentError("result() called before the request finished; call wait() first");
+  if (error_.err != 0) throw IoError(error_);
+  return nbytes_;
+}
+
+void Request::chunk_finished(const ErrorInfo* err) {
+  if (err) {
+    std::lock_guard<std::mutex> lk(mu_);
+    // The first failure is the one reported; later ones are its echoes.
+    if (error_.err == 0) error_ = *err;
+    failed_.store(true);
+  }
+  if (unfinished_.fetch_sub(1) == 1) complete();
+}
+
+void Request::complete() {
+  // A deferred write error (e.g. on network filesystems) can show up at
+  // close(), so a failed close of a written fd fails the request.
+  for (int* fd : {&fd_direct_, &fd_buffered_}) {
+    if (*fd < 0) continue;
+    if (::close(*fd) != 0 && write_ && errno != EINTR) {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (error_.err == 0) error_ = make_error(errno, path_, offset_, "close after write failed");
+    }
+    *fd = -1;
+  }
+  bool ok;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    done_ = true;
+    ok = error_.err == 0;
+  }
+  cv_.notify_all();
+  handle_->request_finished(*this, ok);
+  // Last: this may destroy the Request (see [Note: request lifetime]).
+  std::shared_ptr<Request> keep = std::move(self_);
+}
+
+// ---------------------------------------------------------------- Worker
+
+struct Handle::Worker {
+  std::unique_ptr<Engine> engine;
+  std::thread thread;
+  // Bounce buffers for pieces whose user memory is not O_DIRECT-aligned; one
+  // slot per chunk the engine can hold, so a slot is always free.
+  struct Slot {
+    char* mem = nullptr;
+    size_t size = 0;
+    size_t align = 0;
+  };
+  std::vector<Slot> slots;
+  std::vector<int> free_slots;
+
+  ~Worker() {
+    for (Slot& s : slots) std::free(s.mem);
+  }
+
+  // Returns false when memory for the bounce buffer cannot be had.
+  bool attach_bounce(Chunk* c) {
+    int idx = free_slots.back();
+    Slot& s = slots[idx];
+    if (s.size < c->len || s.align < c->align) {
+      std::free(s.mem);
+      s.mem = static_cast<char*>(aligned_alloc_bytes(c->len, c->align));
+      s.size = s.mem ? c->len : 0;
+      s.align = s.mem ? c->align : 0;
+      if (!s.mem) return false;
+    }
+    free_slots.pop_back();
+    c->bounce_slot = idx;
+    c->buf = s.mem;
+    if (c->write) std::memcpy(c->buf, c->user, c->len);
+    return true;
+  }
+
+  void release_bounce(Chunk* c) {
+    if (c->bounce_slot < 0) return;
+    free_slots.push_back(c->bounce_slot);
+    c->bounce_slot = -1;
+    c->buf = nullptr;
+  }
+};
+
+// ---------------------------------------------------------------- Handle
+
+Handle::Handle(const HandleOptions& opts) : opts_(opts) {
+  if (opts.block_size == 0 || opts.block_size % 4096 != 0)
+    throw ArgumentError("block_size must be a positive multiple of 4096, got " + std::to_string(opts.block_size));
+  if (opts.queue_depth < 1 || opts.queue_depth > 4096)
+    throw ArgumentError("queue_depth must be in [1, 4096], got " + std::to_string(opts.queue_depth));
+  if (opts.threads < 1 || opts.threads > 256)
+    throw ArgumentError("threads must be in [1, 256], got " + std::to_string(opts.threads));
+  if (!backend_compiled(opts.backend))
+    throw ArgumentError(std::string("backend '") + backend_name(opts.backend) +
+                        "' was not compiled into this build (its headers were missing); "
+                        "see infinity.io.available_backends()");
+  // Engines start here, on the caller's thread, so a refusal (io_uring
+  // blocked by seccomp, aio-max-nr exhausted) is an exception now rather than
+  // a dead worker later.
+  for (int i = 0; i < opts.threads; ++i) {
+    int err = 0;
+    auto w = std::make_unique<Worker>();
+    w->engine = make_engine(opts.backend, opts.queue_depth, &err);
+    if (!w->engine)
+      throw IoError(make_error(err, "", -1, std::string("could not start the ") + backend_name(opts.backend) +
+                                                " engine (queue_depth " + std::to_string(opts.queue_depth) + ")"));
+    int cap = w->engine->capacity();
+    w->slots.resize(cap);
+    for (int s = cap - 1; s >= 0; --s) w->free_slots.push_back(s);
+    workers_.push_back(std::move(w));
+  }
+  for (auto& w : workers_) {
+    Worker* raw = w.get();
+    raw->thread = std::thread([this, raw] { worker_loop(raw); });
+  }
+}
+
+Handle::~Handle() { close(); }
+
+void Handle::close() {
+  closed_.store(true);
+  wait_all();
+  {
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  for (auto& w : workers_)
+    if (w->thread.joinable()) w->thread.join();
+}
+
+void Handle::wait_all() {
+  std::unique_lock<std::mutex> lk(idle_mu_);
+  idle_cv_.wait(lk, [&] { return inflight_.load() == 0; });
+}
+
+void Handle::request_finished(const Request& req, bool ok) {
+  if (ok) (req.is_write() ? bytes_written_ : bytes_read_).fetch_add(req.nbytes());
+  // Decrement under the lock so close() cannot return (and free this Handle)
+  // between the decrement and the notify.
+  std::lock_guard<std::mutex> lk(idle_mu_);
+  inflight_.fetch_sub(1);
+  idle_cv_.notify_all();
+}
+
+std::shared_ptr<Request> Handle::submit(bool write, void* buf, size_t nbytes, const std::string& path,
+                                        int64_t offset) {
+  if (closed_.load()) throw ArgumentError("I/O handle is closed; create a new AsyncIO");
+  if (offset < 0)
+    throw ArgumentError("offset must be >= 0, got " + std::to_string(offset) + " (path " + path + ")");
+  if (path.empty()) throw ArgumentError("path must not be empty");
+  if (nbytes > 0 && buf == nullptr) throw ArgumentError("buffer pointer is null (path " + path + ")");
+
+  auto req = std::make_shared<Request>(this, write, path, offset, nbytes);
+  plan(*req, static_cast<char*>(buf));
+
+  inflight_.fetch_add(1);
+  req->self_ = req;
+  req->unfinished_.store(req->chunks_.size());
+  if (req->chunks_.empty()) {
+    req->complete();
+    return req;
+  }
+  {
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    for (Chunk& c : req->chunks_) queue_.push_back(&c);
+  }
+  queue_cv_.notify_all();
+  return req;
+}
+
+// Splits [offset, offset+nbytes) into chunks. With O_DIRECT the unaligned
+// head and tail (each under one alignment unit) go through a second, buffered
+// fd: the kernel merges those bytes at any granularity, so two requests that
+// share an alignment unit never race on a read-modify-write of our own. The
+// alignment unit is at least a page, so buffered and direct bytes never share
+// a page-cache page.
+void Handle::plan(Request& req, char* buf) {
+  const std::string& path = req.path_;
+  const int64_t off = req.offset_;
+  const size_t n = req.nbytes_;
+
+  auto open_or_throw = [&](bool direct) {
+    int fd = open_file(path, req.write_, direct);
+    if (fd >= 0) return fd;
+    int err = -fd;
+    std::string what = std::string("cannot open for ") + (req.write_ ? "writing" : "reading");
+    if (direct && err == EINVAL)
+      what += ": the filesystem does not support O_DIRECT; pass direct=False or use a directory on a "
+              "real disk";
+    throw IoError(make_error(err, path, off, what));
+  };
+
+  int fd_main = open_or_throw(opts_.direct);
+  (opts_.direct ? req.fd_direct_ : req.fd_buffered_) = fd_main;
+  size_t align = 1;
+  if (opts_.direct) {
+    align = direct_alignment(fd_main);
+    if (align == 0)
+      throw IoError(make_error(EINVAL, path, off,
+                               "the filesystem does not support O_DIRECT; pass direct=False"));
+  }
+  if (!req.write_) {
+    int64_t size = file_size(fd_main);
+    if (size < 0) throw IoError(make_error(static_cast<int>(-size), path, off, "fstat failed"));
+    if (n > 0 && static_cast<uint64_t>(off) + n > static_cast<uint64_t>(size))
+      throw IoError(make_error(ENODATA, path, off,
+                               "read past end of file: the file has " + std::to_string(size) +
+                                   " bytes, the request needs bytes [" + std::to_string(off) + ", " +
+                                   std::to_string(static_cast<uint64_t>(off) + n) + ")"));
+  }
+  if (n == 0) return;
+
+  const size_t piece = std::max(round_down(opts_.block_size, align), align);
+  const uint64_t start = static_cast<uint64_t>(off), end = start + n;
+  uint64_t mid_lo = std::min<uint64_t>(end, round_up(start, align));
+  uint64_t mid_hi = std::max<uint64_t>(mid_lo, round_down(end, align));
+
+  auto add = [&](uint64_t lo, uint64_t hi, int fd, size_t a) {
+    for (uint64_t x = lo; x < hi; x += piece) {
+      Chunk c;
+      c.req = &req;
+      c.fd = fd;
+      c.off = static_cast<int64_t>(x);
+      c.len = static_cast<size_t>(std::min<uint64_t>(piece, hi - x));
+      c.write = req.write_;
+      c.align = a;
+      char* user = buf + (x - start);
+      if (a > 1 && reinterpret_cast<uintptr_t>(user) % a != 0)
+        c.user = user;  // bounce: a worker attaches an aligned buffer
+      else
+        c.buf = user;
+      req.chunks_.push_back(c);
+    }
+  };
+
+  if (!opts_.direct) {
+    add(start, end, fd_main, 1);
+    return;
+  }
+  if (start < mid_lo || mid_hi < end) req.fd_buffered_ = open_or_throw(false);
+  if (start < mid_lo) add(start, mid_lo, req.fd_buffered_, 1);
+  add(mid_lo, mid_hi, fd_main, align);
+  if (mid_hi < end) add(mid_hi, end, req.fd_buffered_, 1);
+}
+
+void Handle::worker_loop(Worker* w) {
+  Engine& eng = *w->engine;
+  const int cap = eng.capacity();
+  std::vector<Chunk*> batch;
+  std::deque<Chunk*> retry;  // accepted earlier, need (re)submission
+  std::vector<Completion> comps(cap);
+  int inflight = 0;
+
+  auto fail = [&](Chunk* c, int err, const char* what) {
+    ErrorInfo e = make_error(err, c->req->path_, c->cur_off(), what);
+    w->release_bounce(c);
+    c->req->chunk_finished(&e);
+  };
+
+  for (;;) {
+    batch.clear();
+    while (!retry.empty() && inflight + static_cast<int>(batch.size()) < cap) {
+      batch.push_back(retry.front());
+      retry.pop_front();
+    }
+    {
+      std::unique_lock<std::mutex> lk(queue_mu_);
+      if (inflight == 0 && batch.empty())
+        queue_cv_.wait(lk, [&] { return !queue_.empty() || stopping_; });
+      if (stopping_ && queue_.empty() && inflight == 0 && batch.empty()) return;
+      while (!queue_.empty() && inflight + static_cast<int>(batch.size()) < cap) {
+        batch.push_back(queue_.front());
+        queue_.pop_front();
+      }
+    }
+
+    // Drop pieces of requests that already failed: their outcome is decided
+    // and the I/O would only waste bandwidth.
+    size_t keep = 0;
+    for (Chunk* c : batch) {
+      if (c->req->failed_.load()) {
+        w->release_bounce(c);
+        c->req->chunk_finished(nullptr);
+        continue;
+      }
+      if (c->user && c->bounce_slot < 0 && !w->attach_bounce(c)) {
+        fail(c, ENOMEM, "cannot allocate an aligned bounce buffer");
+        continue;
+      }
+      batch[keep++] = c;
+    }
+    batch.resize(keep);
+
+    size_t pos = 0;
+    while (pos < batch.size()) {
+      int r = eng.submit(batch.data() + pos, static_cast<int>(batch.size() - pos));
+      if (r == -EAGAIN || r == -EINTR || r == 0) break;  // the kernel is busy: reap, then retry
+      if (r < 0) {
+        for (size_t i = pos; i < batch.size(); ++i) fail(batch[i], -r, "submit failed");
+        pos = batch.size();
+        break;
+      }
+      inflight += r;
+      pos += static_cast<size_t>(r);
+    }
+    for (size_t i = batch.size(); i > pos; --i) retry.push_front(batch[i - 1]);
+    if (inflight == 0) {
+      if (!retry.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      continue;
+    }
+
+    int got = eng.reap(comps.data(), cap, kReapTimeoutMs);
+    if (got < 0) {
+      // EINTR is routine; anything else means the kernel could not report,
+      // but the chunks are still its to finish, so keep waiting for them.
+      if (got != -EINTR) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      continue;
+    }
+    for (int i = 0; i < got; ++i) {
+      Chunk* c = comps[i].chunk;
+      --inflight;
+      int64_t res = apply_fault(comps[i].res, c->remaining());
+      if (res == -EINTR || res == -EAGAIN) {
+        retry.push_back(c);
+        continue;
+      }
+      if (res < 0) {
+        fail(c, static_cast<int>(-res), c->write ? "write failed" : "read failed");
+        continue;
+      }
+      if (res == 0) {
+        if (c->write)
+          fail(c, EIO, "write made no progress");
+        else
+          fail(c, ENODATA, "unexpected end of file: the file shrank while it was being read");
+        continue;
+      }
+      size_t before = c->done;
+      c->done += static_cast<size_t>(res);
+      if (c->done < c->len) {
+        // Short transfer: requeue the rest. O_DIRECT needs an aligned offset,
+        // so the partial unit is moved again (harmless for reads and writes).
+        if (c->align > 1) {
+          if (!c->write && c->done % c->align != 0) {
+            // A direct read only ends off-alignment at end of file.
+            fail(c, ENODATA, "short read: the file ends inside this request");
+            continue;
+          }
+          c->done = round_down(c->done, c->align);
+        }
+        if (c->done <= before && ++c->stalls > kMaxNoProgress) {
+          fail(c, EIO, c->write ? "write made no progress after repeated short writes"
+                                : "read made no progress after repeated short reads");
+          continue;
+        }
+        retry.push_back(c);
+        continue;
+      }
+      if (c->bounce_slot >= 0 && !c->write) std::memcpy(c->user, c->buf, c->len);
+      w->release_bounce(c);
+      c->req->chunk_finished(nullptr);
+    }
+  }
+}
+
+}  // namespace infinity::io

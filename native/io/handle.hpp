@@ -1,0 +1,123 @@
+// The API layer of native I/O: a Handle owns worker threads (each with its
+// own Engine) and turns a user request into block-sized Chunks; a Request is
+// the shared state behind one returned future.
+//
+// [Note: request lifetime]
+// A Request is held by the caller's future and, while any of its chunks is
+// unfinished, by itself (`self_`). The worker that finishes the last chunk
+// closes the fds, marks it done, tells the Handle, and only then drops
+// `self_`; it touches neither the Request nor its Chunks afterwards. The
+// caller must keep the user buffer alive until the Request is done; the
+// Python layer does so by holding the buffer in the future.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine.hpp"
+#include "io_error.hpp"
+
+namespace infinity::io {
+
+class Handle;
+
+struct HandleOptions {
+  Backend backend = Backend::kThreads;
+  size_t block_size = 1 << 20;  // largest piece handed to the kernel at once
+  int queue_depth = 32;         // pieces in flight per worker
+  int threads = 1;              // workers, each with its own engine
+  bool direct = true;           // O_DIRECT for the aligned bulk of a request
+};
+
+class Request {
+ public:
+  Request(Handle* handle, bool write, std::string path, int64_t offset, size_t nbytes);
+  ~Request();
+
+  // Blocks until done or until timeout_s passes (negative = forever).
+  // Returns true when done.
+  bool wait(double timeout_s);
+  bool done();
+  // Bytes moved; throws IoError if the request failed. Call after wait().
+  size_t result();
+
+  bool is_write() const { return write_; }
+  const std::string& path() const { return path_; }
+  int64_t offset() const { return offset_; }
+  size_t nbytes() const { return nbytes_; }
+
+ private:
+  friend class Handle;
+  void chunk_finished(const ErrorInfo* err);
+  void complete();
+
+  Handle* handle_;
+  bool write_;
+  std::string path_;
+  int64_t offset_;
+  size_t nbytes_;
+
+  std::vector<Chunk> chunks_;
+  int fd_direct_ = -1;
+  int fd_buffered_ = -1;
+  std::atomic<size_t> unfinished_{0};
+  std::atomic<bool> failed_{false};
+  std::shared_ptr<Request> self_;  // see [Note: request lifetime]
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  ErrorInfo error_;
+};
+
+class Handle {
+ public:
+  explicit Handle(const HandleOptions& opts);  // throws IoError if an engine cannot start
+  ~Handle();
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  // Starts a read into / write from [buf, buf+nbytes) at `offset` of `path`.
+  // Argument and open errors throw here; I/O errors surface from the Request.
+  std::shared_ptr<Request> submit(bool write, void* buf, size_t nbytes, const std::string& path, int64_t offset);
+  void wait_all();
+  // Waits for everything in flight, then stops the workers. Idempotent.
+  void close();
+  bool closed() const { return closed_.load(); }
+
+  const HandleOptions& options() const { return opts_; }
+  int64_t inflight() const { return inflight_.load(); }
+  uint64_t bytes_read() const { return bytes_read_.load(); }
+  uint64_t bytes_written() const { return bytes_written_.load(); }
+
+ private:
+  friend class Request;
+  struct Worker;
+  void plan(Request& req, char* buf);
+  void worker_loop(Worker* w);
+  void request_finished(const Request& req, bool ok);
+
+  HandleOptions opts_;
+  std::atomic<bool> closed_{false};
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<Chunk*> queue_;
+  bool stopping_ = false;
+  std::vector<std::unique_ptr<Worker>> workers_;
+
+  std::mutex idle_mu_;
+  std::condition_variable idle_cv_;
+  std::atomic<int64_t> inflight_{0};
+  std::atomic<uint64_t> bytes_read_{0};
+  std::atomic<uint64_t> bytes_written_{0};
+};
+
+}  // namespace infinity::io
