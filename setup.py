@@ -91,6 +91,10 @@ class OptionalBuildExt(build_ext):
 
 def _extensions():
     try:
+        from pybind11.setup_helpers import ParallelCompile
+
+        # Compile the sources on every core (set INFINITY_BUILD_JOBS to cap it).
+        ParallelCompile("INFINITY_BUILD_JOBS", default=0).install()
         return [_native_extension()]
     except ImportError:
         print("infinity: pybind11 is not installed; building without the native extension", file=sys.stderr)

@@ -13,11 +13,12 @@ class IOFuture:
     request runs whether or not anyone waits on it.
     """
 
-    __slots__ = ("_req", "_buf", "op", "path", "offset", "nbytes")
+    __slots__ = ("_req", "_buf", "_observed", "op", "path", "offset", "nbytes")
 
     def __init__(self, req, buf, op: str, path: str, offset: int, nbytes: int):
         self._req = req
         self._buf = buf
+        self._observed = False
         self.op = op
         self.path = path
         self.offset = offset
@@ -37,7 +38,21 @@ class IOFuture:
             raise TimeoutError(f"{self.op} of {self.nbytes} bytes at offset {self.offset} of {self.path} "
                                f"not finished after {timeout} s")
         self._buf = None
+        self._observed = True
         return self._req.result()
+
+    def _settled(self) -> bool:
+        """Done, and either successful or already reported to someone."""
+        if not self._req.done():
+            return False
+        if self._observed:
+            return True
+        try:
+            self._req.result()
+        except OSError:
+            return False
+        self._buf = None
+        return True
 
     def __await__(self):
         # The wait blocks in native code with the GIL released; an executor

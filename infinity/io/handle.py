@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import errno
+import functools
 import os
 import tempfile
 import threading
@@ -21,13 +23,20 @@ _PREFERENCE = ("io_uring", "libaio", "threads", "python")
 
 def available_backends() -> list[str]:
     """Backends that can start on this machine, fastest first. Always ends with "python"."""
+    return list(_probe_backends())
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_backends() -> tuple[str, ...]:
+    # Probing starts a kernel queue per backend (io_destroy alone can take
+    # tens of ms), and the answer cannot change within a process.
     out = []
     if native is not None:
         for name in _PREFERENCE[:-1]:
             if name in native.compiled_backends() and native.probe_backend(name) == "":
                 out.append(name)
     out.append("python")
-    return out
+    return tuple(out)
 
 
 def select_backend(directory: str | os.PathLike | None = None, *, direct: bool = True) -> str:
@@ -41,6 +50,8 @@ def select_backend(directory: str | os.PathLike | None = None, *, direct: bool =
     if directory is None:
         return candidates[0]
     directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(errno.ENOENT, "select_backend: no such directory", directory)
     probe = aligned_empty(8192, pin=False)
     probe.copy_(_pattern(8192))
     errors = []
@@ -147,20 +158,19 @@ class AsyncIO:
         """Blocking pread; returns the bytes read."""
         return self.pread(buf, path, offset, nbytes).wait()
 
-    def wait_all(self) -> int:
-        """Wait for every request submitted so far; return their bytes, or raise the first error."""
+    def wait_all(self) -> None:
+        """Wait for every request submitted so far.
+
+        Raises the first OSError among requests whose failure nobody has
+        seen yet through their own future's wait().
+        """
+        self._impl.wait_all()
         with self._lock:
             pending = list(self._pending)
             self._pending.clear()
-        total, first_error = 0, None
         for fut in pending:
-            try:
-                total += fut.wait()
-            except OSError as exc:
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-        return total
+            if not fut._observed:
+                fut.wait()
 
     def _submit(self, write: bool, buf, path, offset, nbytes) -> IOFuture:
         op = "pwrite" if write else "pread"
@@ -185,8 +195,9 @@ class AsyncIO:
         req = self._impl.submit(write, addr, nbytes, path, offset)
         fut = IOFuture(req, keep, op, path, offset, nbytes)
         with self._lock:
-            # Keep the futures (and through them the buffers) until done.
-            while self._pending and self._pending[0].done():
+            # Keep the futures (and through them the buffers) until done, and
+            # failed ones until someone has seen the error.
+            while self._pending and self._pending[0]._settled():
                 self._pending.popleft()
             self._pending.append(fut)
         return fut

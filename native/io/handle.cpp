@@ -301,7 +301,7 @@ void Handle::plan(Request& req, char* buf) {
 }
 
 void Handle::worker_loop(Worker* w) {
-  Engine& eng = *w->engine;
+  Engine& eng = *w->engine;  // valid until this loop returns
   const int cap = eng.capacity();
   std::vector<Chunk*> batch;
   std::deque<Chunk*> retry;  // accepted earlier, need (re)submission
@@ -324,7 +324,13 @@ void Handle::worker_loop(Worker* w) {
       std::unique_lock<std::mutex> lk(queue_mu_);
       if (inflight == 0 && batch.empty())
         queue_cv_.wait(lk, [&] { return !queue_.empty() || stopping_; });
-      if (stopping_ && queue_.empty() && inflight == 0 && batch.empty()) return;
+      if (stopping_ && queue_.empty() && inflight == 0 && batch.empty()) {
+        lk.unlock();
+        // Tear the engine down here so that workers do it in parallel:
+        // io_destroy waits for an RCU grace period (tens of ms) each.
+        w->engine.reset();
+        return;
+      }
       while (!queue_.empty() && inflight + static_cast<int>(batch.size()) < cap) {
         batch.push_back(queue_.front());
         queue_.pop_front();

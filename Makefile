@@ -1,0 +1,46 @@
+# Two entry points do all setup on a fresh machine (root, apt + PyPI):
+#   make run    build, then a short `infinity bench io` (beside fio) on a temp dir
+#   make test   build, then the test suite
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+# The local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+STAMP := build/.deps-stamp
+
+.PHONY: deps build run test asan native-test clean
+
+$(STAMP): setup.py pyproject.toml native/install_deps.sh
+	bash native/install_deps.sh
+	$(PIP) install -q --disable-pip-version-check "$(TORCH_PIN)" numpy pytest hypothesis pybind11 setuptools wheel matplotlib
+	mkdir -p build && touch $(STAMP)
+
+deps: $(STAMP)
+
+NATIVE_SRC := $(shell find native -name '*.cpp' -o -name '*.hpp' | grep -v '^native/tests/')
+BUILD_STAMP := build/.native-stamp
+
+# An editable install: the extension lands in infinity/ and `infinity` goes on PATH.
+$(BUILD_STAMP): $(STAMP) $(NATIVE_SRC) setup.py
+	$(PIP) install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	touch $(BUILD_STAMP)
+
+build: $(BUILD_STAMP)
+
+run: build
+	@tmp=$$(mktemp -d $${TMPDIR:-/var/tmp}/infinity-run.XXXXXX) && \
+	  trap 'rm -rf "$$tmp"' EXIT && \
+	  $(PYTHON) -m infinity.cli info --dir "$$tmp" && \
+	  $(PYTHON) -m infinity.cli bench io --dir "$$tmp" --size 256MiB --repeats 3 $$(command -v fio >/dev/null && echo --vs-fio)
+
+test: build
+	$(PYTHON) -m pytest -q tests
+
+# The native tests (a C++ driver, no Python) under ASan + UBSan.
+asan: deps
+	$(MAKE) -C native/tests SANITIZE=address,undefined run
+
+native-test: deps
+	$(MAKE) -C native/tests run
+
+clean:
+	rm -rf build *.egg-info infinity/*.so native/tests/build

@@ -1,0 +1,48 @@
+"""The `infinity` command: info, bench io."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infinity", description="memory-offload engine for huge-model training")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    info = sub.add_parser("info", help="version, I/O backends, SIMD level, O_DIRECT alignment, free space")
+    info.add_argument("--dir", default=".", help="directory whose alignment and free space to report")
+    info.add_argument("--json", action="store_true")
+
+    bench = sub.add_parser("bench", help="standalone benchmarks")
+    bsub = bench.add_subparsers(dest="what", required=True)
+    from infinity.bench import io as bench_io
+
+    bench_io.add_arguments(bsub.add_parser("io", help="read/write GB/s per backend, beside fio"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except (ValueError, OSError) as exc:
+        # Bad input is one line naming what was wrong, not a traceback.
+        print(f"infinity {args.cmd}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args) -> int:
+    if args.cmd == "info":
+        from infinity import info
+
+        return info.run(args)
+    if args.cmd == "bench" and args.what == "io":
+        from infinity.bench import io as bench_io
+
+        return bench_io.run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""AsyncIO surface: futures, asyncio, aligned buffers, backend discovery."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from infinity.io import AsyncIO, IOFuture, aligned_empty, available_backends, select_backend
+
+
+def test_available_backends_lists_python_last():
+    names = available_backends()
+    assert names[-1] == "python"
+    assert set(names) <= {"io_uring", "libaio", "threads", "python"}
+
+
+def test_auto_picks_first_available():
+    with AsyncIO() as h:
+        assert h.backend == available_backends()[0]
+
+
+def test_select_backend_probes_the_directory(disk_dir):
+    assert select_backend(disk_dir) == available_backends()[0]
+    assert not list(disk_dir.iterdir()), "the probe must remove its file"
+
+
+def test_unknown_directory_in_select_backend(tmp_path):
+    with pytest.raises(FileNotFoundError, match="select_backend: no such directory") as ei:
+        select_backend(tmp_path / "missing")
+    assert ei.value.filename == str(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 1 << 20])
+@pytest.mark.parametrize("alignment", [64, 4096, 1 << 16])
+def test_aligned_empty(nbytes, alignment):
+    t = aligned_empty(nbytes, alignment, pin=False)
+    assert t.dtype == torch.uint8 and t.numel() == nbytes and t.device.type == "cpu"
+    if nbytes:
+        assert t.data_ptr() % alignment == 0
+        assert not t.any()
+        t.fill_(7)  # writable
+        assert int(t.sum()) == 7 * nbytes
+
+
+def test_aligned_empty_outlives_its_name():
+    t = aligned_empty(1 << 20, pin=False)[4096:8192]
+    import gc
+
+    gc.collect()
+    t.fill_(3)
+    assert int(t.sum()) == 3 * 4096
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_aligned_empty_bad_size(bad):
+    with pytest.raises(ValueError, match="aligned_empty: nbytes must be an int >= 0"):
+        aligned_empty(bad)
+
+
+def test_aligned_empty_bad_alignment():
+    with pytest.raises(ValueError, match="aligned_empty: alignment must be a power of two >= 8, got 3000"):
+        aligned_empty(10, 3000)
+
+
+def test_future_surface(backend, disk_dir):
+    buf = aligned_empty(1 << 20, pin=False)
+    buf.copy_(torch.arange(1 << 20).remainder(199).to(torch.uint8))
+    with AsyncIO(backend=backend, block_size=1 << 16) as h:
+        fut = h.pwrite(buf, disk_dir / "f.bin")
+        assert isinstance(fut, IOFuture)
+        assert fut.wait(timeout=30) == 1 << 20 and fut.done()
+        assert fut.wait() == 1 << 20, "waiting twice returns the same result"
+        assert "pwrite" in repr(fut) and "done" in repr(fut)
+        back = aligned_empty(1 << 20, pin=False)
+        futs = [h.pread(back[i:i + 4096], disk_dir / "f.bin", i) for i in range(0, 1 << 20, 4096)]
+        assert h.wait_all() is None
+        assert all(f.done() for f in futs)
+        assert torch.equal(back, buf)
+        assert h.bytes_written == 1 << 20 and h.bytes_read == 1 << 20
+
+
+def test_wait_all_raises_an_unseen_error(native_backend, needs_native, disk_dir):
+    with AsyncIO(backend=native_backend, block_size=4096) as h:
+        # One worker: the first completion is necessarily one of bad.bin's chunks.
+        needs_native.set_fault(1, "errno", 5)
+        h.pwrite(np.zeros(4 * 4096, np.uint8), disk_dir / "bad.bin")  # future dropped
+        for i in range(50):  # later submissions must not prune the failed one
+            h.pwrite(np.zeros(10, np.uint8), disk_dir / f"ok{i}.bin").wait()
+        with pytest.raises(OSError, match=r"\[Errno 5\] write failed") as ei:
+            h.wait_all()
+        assert ei.value.filename == str(disk_dir / "bad.bin")
+        h.wait_all()  # reported once
+
+
+def test_await_in_asyncio(backend, disk_dir):
+    async def main():
+        with AsyncIO(backend=backend) as h:
+            src = np.arange(50000, dtype=np.int32)
+            n = await h.pwrite(src, disk_dir / "a.bin")
+            dst = np.zeros_like(src)
+            got = await asyncio.gather(h.pread(dst[:25000], disk_dir / "a.bin", 0),
+                                       h.pread(dst[25000:], disk_dir / "a.bin", 100000))
+            return n, got, dst, src
+
+    n, got, dst, src = asyncio.run(main())
+    assert n == 200000 and got == [100000, 100000]
+    assert np.array_equal(dst, src)
+
+
+def test_dropped_future_keeps_buffer_alive(backend, disk_dir):
+    with AsyncIO(backend=backend, block_size=4096, queue_depth=1) as h:
+        for i in range(20):
+            h.pwrite(np.full(1 << 16, i, np.uint8), disk_dir / f"d{i}.bin")  # future and buffer dropped
+    for i in range(20):
+        assert (disk_dir / f"d{i}.bin").read_bytes() == bytes([i]) * (1 << 16)
+
+
+def test_buffered_mode(backend, disk_dir):
+    with AsyncIO(backend=backend, direct=False) as h:
+        assert h.direct is False
+        src = np.arange(10007, dtype=np.uint8)
+        h.write(src, disk_dir / "b.bin", 13)
+        dst = np.zeros_like(src)
+        h.read(dst, disk_dir / "b.bin", 13)
+    assert np.array_equal(src, dst)
+
+
+def test_many_handle_lifetimes(native_backend, disk_dir):
+    # libaio's io_destroy waits for an RCU grace period (~35 ms), so 100 is plenty.
+    for i in range(100):
+        with AsyncIO(backend=native_backend, queue_depth=2, threads=2) as h:
+            h.write(np.full(100, i % 256, np.uint8), disk_dir / "l.bin")

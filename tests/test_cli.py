@@ -1,0 +1,69 @@
+"""The `infinity` command: info and a tiny-size smoke run of `bench io`."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from infinity.io import available_backends
+
+INFINITY = [sys.executable, "-m", "infinity.cli"]
+
+
+def run(*args):
+    out = subprocess.run(INFINITY + list(args), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_info(tmp_path):
+    text = run("info", "--dir", str(tmp_path))
+    assert text.startswith("infinity 0.1.0")
+    for label in ("I/O backends:", "CPU SIMD level:", "page size:", "O_DIRECT align:", "free space:"):
+        assert label in text
+    data = json.loads(run("info", "--dir", str(tmp_path), "--json"))
+    assert data["backends"]["python"] == "ok"
+    assert data["free_bytes"] > 0 and data["page_size"] >= 4096
+
+
+def test_info_bad_dir(tmp_path):
+    out = subprocess.run(INFINITY + ["info", "--dir", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert out.returncode != 0 and f"info: --dir {tmp_path / 'nope'} is not a directory" in out.stderr
+
+
+def test_bench_io_smoke_json(tmp_path):
+    backend = available_backends()[0]
+    args = ["bench", "io", "--dir", str(tmp_path), "--size", "4MiB", "--block-size", "256KiB",
+            "--queue-depth", "4", "--repeats", "2", "--backend", backend, "--json"]
+    if shutil.which("fio") and backend != "python":
+        args.append("--vs-fio")
+    rows = [json.loads(line) for line in run(*args).splitlines()]
+    assert [r["op"] for r in rows] == ["write", "read"]
+    for r in rows:
+        assert r["backend"] == backend and r["block_size"] == 256 << 10 and r["queue_depth"] == 4
+        assert r["threads"] == 1 and r["gbps"] > 0
+        if "--vs-fio" in args:
+            assert r["fio_gbps"] > 0 and r["ratio"] == pytest.approx(r["gbps"] / r["fio_gbps"])
+    assert list(tmp_path.iterdir()) == [], "the benchmark file must be removed"
+
+
+def test_bench_io_sweep_table_and_plot(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
+    png = tmp_path / "heat.png"
+    data = tmp_path / "d"
+    data.mkdir()
+    text = run("bench", "io", "--dir", str(data), "--size", "1MiB", "--repeats", "1", "--sweep",
+               "--backend", "threads" if "threads" in available_backends() else "python", "--plot", str(png))
+    lines = text.splitlines()
+    assert lines[0].startswith("# bench io:") and lines[1].split()[:5] == ["op", "backend", "block", "qd", "thr"]
+    assert len(lines) == 2 + 2 * 3 * 4 * 2  # ops x block sizes x queue depths x threads
+    assert png.stat().st_size > 1000
+
+
+def test_bench_io_bad_size(tmp_path):
+    out = subprocess.run(INFINITY + ["bench", "io", "--dir", str(tmp_path), "--size", "12 parsecs"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "--size: cannot read '12 parsecs' as a size; write e.g. 4096, 64KiB, 1MiB or 1GiB" in out.stderr
