@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cpu/adam.hpp"
+#include "cpu/parallel.hpp"
 #include "cpu/simd.hpp"
 #include "io/engine.hpp"
 #include "io/fault.hpp"
@@ -70,6 +72,26 @@ py::tuple buffer_address(py::handle obj, bool writable) {
     throw ArgumentError("buffer is read-only: pread needs a writable buffer to read into");
   if (!contiguous) throw ArgumentError("buffer is not contiguous: pass a contiguous copy");
   return py::make_tuple(ptr, len);
+}
+
+infinity::cpu::Dtype dtype_from(const std::string& name, const char* arg) {
+  using infinity::cpu::Dtype;
+  if (name == "float32") return Dtype::kF32;
+  if (name == "bfloat16") return Dtype::kBF16;
+  if (name == "float16") return Dtype::kF16;
+  throw ArgumentError(std::string(arg) + ": unsupported dtype " + name);
+}
+
+infinity::cpu::SimdLevel simd_from(const std::string& name) {
+  using infinity::cpu::SimdLevel;
+  if (name == "auto") return infinity::cpu::active_simd();
+  SimdLevel want = name == "scalar" ? SimdLevel::kScalar : name == "avx2" ? SimdLevel::kAvx2
+                 : name == "avx512" ? SimdLevel::kAvx512 : static_cast<SimdLevel>(-1);
+  if (static_cast<int>(want) < 0) throw ArgumentError("simd must be auto, scalar, avx2 or avx512, got " + name);
+  if (static_cast<int>(want) > static_cast<int>(infinity::cpu::detected_simd()))
+    throw ArgumentError("simd=" + name + " is not supported by this CPU (it has " +
+                        infinity::cpu::simd_name(infinity::cpu::detected_simd()) + ")");
+  return want;
 }
 
 Backend backend_from(const std::string& name) {
@@ -177,6 +199,47 @@ PYBIND11_MODULE(_native, m) {
       py::arg("nth"), py::arg("mode"), py::arg("errno") = 5,
       "Test only: make the nth chunk completion from now fail (errno), come back half (short) or empty (zero).");
   m.def("clear_fault", &disarm_fault);
+  m.def(
+      "adam_step",
+      [](uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+         size_t n, int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+         bool bias_correction, double grad_scale, uintptr_t out_lowp, const std::string& lowp_dtype,
+         bool check_finite, const std::string& simd) {
+        infinity::cpu::AdamArgs a;
+        a.param = reinterpret_cast<float*>(param);
+        a.grad = reinterpret_cast<const void*>(grad);
+        a.grad_dtype = dtype_from(grad_dtype, "grad");
+        a.exp_avg = reinterpret_cast<float*>(exp_avg);
+        a.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+        a.out_lowp = reinterpret_cast<void*>(out_lowp);
+        a.lowp_dtype = out_lowp ? dtype_from(lowp_dtype, "out_lowp") : infinity::cpu::Dtype::kBF16;
+        a.n = n;
+        a.step = step;
+        a.lr = lr;
+        a.beta1 = beta1;
+        a.beta2 = beta2;
+        a.eps = eps;
+        a.weight_decay = weight_decay;
+        a.adamw = adamw;
+        a.bias_correction = bias_correction;
+        a.grad_scale = grad_scale;
+        a.check_finite = check_finite;
+        infinity::cpu::SimdLevel level = simd_from(simd);
+        py::gil_scoped_release nogil;
+        return infinity::cpu::adam_step(a, level);
+      },
+      "Raw-pointer CPU Adam step (validated by infinity.optim.cpu_adam_step); True if skipped for inf/nan.");
+  m.def(
+      "stream_adam_traffic",
+      [](uintptr_t p, uintptr_t g, uintptr_t mm, uintptr_t v, uintptr_t lowp, size_t n, int repeats) {
+        py::gil_scoped_release nogil;
+        return infinity::cpu::stream_adam_traffic(reinterpret_cast<float*>(p), reinterpret_cast<const float*>(g),
+                                                  reinterpret_cast<float*>(mm), reinterpret_cast<float*>(v),
+                                                  reinterpret_cast<uint16_t*>(lowp), n, repeats);
+      },
+      "Seconds for `repeats` sweeps with Adam's memory traffic (the roofline reference).");
+  m.def("set_num_threads", &infinity::cpu::set_num_threads, "Threads for CPU kernels; < 1 means all cores.");
+  m.def("get_num_threads", &infinity::cpu::num_threads);
   m.def("simd_level", [] { return std::string(infinity::cpu::simd_name(infinity::cpu::active_simd())); });
   m.def("cpu_simd_level", [] { return std::string(infinity::cpu::simd_name(infinity::cpu::detected_simd())); });
   m.def("cpu_has_avx512_bf16", &infinity::cpu::cpu_has_avx512_bf16);

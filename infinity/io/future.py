@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 
 class IOFuture:
@@ -34,7 +35,8 @@ class IOFuture:
         Raises TimeoutError if `timeout` seconds pass first; the request keeps
         running and can be waited on again.
         """
-        if not self._req.wait(-1.0 if timeout is None else float(timeout)):
+        forever = timeout is None or not math.isfinite(timeout) or timeout > 1e9
+        if not self._req.wait(-1.0 if forever else max(0.0, float(timeout))):
             raise TimeoutError(f"{self.op} of {self.nbytes} bytes at offset {self.offset} of {self.path} "
                                f"not finished after {timeout} s")
         self._buf = None

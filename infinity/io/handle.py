@@ -108,7 +108,7 @@ class AsyncIO:
 
     def __init__(self, backend: str = "auto", block_size: int = 1 << 20, queue_depth: int = 32,
                  threads: int = 1, direct: bool = True):
-        _check_int("block_size", block_size, 4096)
+        _check_int("block_size", block_size, 4096, 1 << 30)
         if block_size % 4096:
             raise ValueError(f"AsyncIO: block_size must be a multiple of 4096, got {block_size}")
         _check_int("queue_depth", queue_depth, 1, 4096)
@@ -139,6 +139,7 @@ class AsyncIO:
             self._impl = native.Handle(backend, block_size, queue_depth, threads, direct)
         self._lock = threading.Lock()
         self._pending: collections.deque[IOFuture] = collections.deque()
+        self._prune_at = 256
 
     # ------------------------------------------------------------ requests
 
@@ -168,9 +169,18 @@ class AsyncIO:
         with self._lock:
             pending = list(self._pending)
             self._pending.clear()
+        errors = []
         for fut in pending:
             if not fut._observed:
-                fut.wait()
+                try:
+                    fut.wait()
+                except OSError as exc:
+                    errors.append(exc)
+        if errors:
+            if len(errors) > 1:
+                errors[0].add_note(f"{len(errors) - 1} more request(s) failed too: " + "; ".join(
+                    str(e) for e in errors[1:4]) + ("; ..." if len(errors) > 4 else ""))
+            raise errors[0]
 
     def _submit(self, write: bool, buf, path, offset, nbytes) -> IOFuture:
         op = "pwrite" if write else "pread"
@@ -199,6 +209,11 @@ class AsyncIO:
             # failed ones until someone has seen the error.
             while self._pending and self._pending[0]._settled():
                 self._pending.popleft()
+            if len(self._pending) > self._prune_at:
+                # A slow request at the front must not pin every later
+                # buffer; a full sweep now and then keeps this amortised O(1).
+                self._pending = collections.deque(f for f in self._pending if not f._settled())
+                self._prune_at = max(256, 2 * len(self._pending))
             self._pending.append(fut)
         return fut
 

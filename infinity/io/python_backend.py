@@ -74,39 +74,46 @@ class PythonHandle:
         return self._inflight
 
     def submit(self, write: bool, ptr: int, nbytes: int, path: str, offset: int) -> _Request:
-        if self.closed:
-            raise ValueError("I/O handle is closed; create a new AsyncIO")
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset} (path {path})")
-        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
-        try:
-            fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise _os_error(exc.errno, f"cannot open for {'writing' if write else 'reading'}", path,
-                            offset) from None
-        if not write:
-            size = os.fstat(fd).st_size
-            if nbytes > 0 and offset + nbytes > size:
-                os.close(fd)
-                raise _os_error(errno.ENODATA, f"read past end of file: the file has {size} bytes, "
-                                f"the request needs bytes [{offset}, {offset + nbytes})", path, offset)
-        req = _Request(nbytes)
-        pieces = [(lo, min(self._block, nbytes - lo)) for lo in range(0, nbytes, self._block)]
         with self._lock:
+            # Checked and counted under one lock, so close() waits for us.
+            if self.closed:
+                raise ValueError("I/O handle is closed; create a new AsyncIO")
             self._inflight += 1
+        fd = -1
+        try:
+            flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+            try:
+                fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise _os_error(exc.errno, f"cannot open for {'writing' if write else 'reading'}", path,
+                                offset) from None
+            if not write:
+                size = os.fstat(fd).st_size
+                if nbytes > 0 and offset + nbytes > size:
+                    raise _os_error(errno.ENODATA, f"read past end of file: the file has {size} bytes, "
+                                    f"the request needs bytes [{offset}, {offset + nbytes})", path, offset)
+            req = _Request(nbytes)
+            pieces = [(lo, min(self._block, nbytes - lo)) for lo in range(0, nbytes, self._block)]
+            req._pending = len(pieces)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            self._release()
+            raise
         if not pieces:
-            self._finish(req, fd, write, None)
+            self._finish(req, fd, write)
             return req
-        req._pending = len(pieces)
         for lo, n in pieces:
             self._pool.submit(self._run_piece, req, fd, write, ptr + lo, n, path, offset + lo)
         return req
 
     def _run_piece(self, req, fd, write, ptr, n, path, off):
-        view = memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
         error = None
         done = 0
         try:
+            view = memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
             while done < n:
                 part = view[done:]
                 moved = os.pwritev(fd, [part], off + done) if write else os.preadv(fd, [part], off + done)
@@ -119,18 +126,30 @@ class PythonHandle:
         except OSError as exc:
             error = exc if hasattr(exc, "offset") else _os_error(
                 exc.errno, "write failed" if write else "read failed", path, off + done)
+        except BaseException as exc:  # noqa: BLE001 - never leave the request hanging
+            error = _os_error(errno.EIO, f"internal error: {exc!r}", path, off + done)
         if req._piece_done(error):
-            self._finish(req, fd, write, req._error)
+            self._finish(req, fd, write)
 
-    def _finish(self, req, fd, write, error):
-        os.close(fd)
-        req._event.set()
-        with self._lock:
-            if error is None:
+    def _finish(self, req, fd, write):
+        """Close the fd, then publish the result; always runs to the end."""
+        try:
+            os.close(fd)
+        except OSError as exc:
+            # A deferred write error (network filesystems) shows up at close.
+            if write and req._error is None:
+                req._error = _os_error(exc.errno, "close after write failed", "", -1)
+        if req._error is None:
+            with self._lock:
                 if write:
                     self.bytes_written += req._nbytes
                 else:
                     self.bytes_read += req._nbytes
+        req._event.set()
+        self._release()
+
+    def _release(self):
+        with self._lock:
             self._inflight -= 1
             self._idle.notify_all()
 
@@ -139,6 +158,7 @@ class PythonHandle:
             self._idle.wait_for(lambda: self._inflight == 0)
 
     def close(self) -> None:
-        self.closed = True
+        with self._lock:
+            self.closed = True
         self.wait_all()
         self._pool.shutdown(wait=True)

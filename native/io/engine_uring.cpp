@@ -38,15 +38,15 @@ class UringEngine final : public Engine {
       io_uring_sqe_set_data(sqe, c);
     }
     if (queued == 0) return -EAGAIN;
-    // SQEs the kernel did not take (EAGAIN/EBUSY/EINTR) stay in the ring and
-    // go out with the next io_uring_submit, so every queued chunk counts as
-    // accepted; reap() pushes them out before it waits.
-    pending_ = io_uring_submit(&ring_) < 0;
+    // SQEs the kernel did not take (an error, or a partial submit) stay in
+    // the ring, so every queued chunk counts as accepted; reap() pushes out
+    // whatever is still waiting before it sleeps.
+    io_uring_submit(&ring_);
     return queued;
   }
 
   int reap(Completion* out, int max, int timeout_ms) override {
-    if (pending_) pending_ = io_uring_submit(&ring_) < 0;
+    if (io_uring_sq_ready(&ring_) > 0) io_uring_submit(&ring_);
     io_uring_cqe* cqe = nullptr;
     __kernel_timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1000000LL};
     int r = io_uring_wait_cqe_timeout(&ring_, &cqe, &ts);
@@ -63,7 +63,6 @@ class UringEngine final : public Engine {
  private:
   int depth_;
   bool ready_ = false;
-  bool pending_ = false;
   io_uring ring_{};
 };
 

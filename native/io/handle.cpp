@@ -16,6 +16,7 @@ namespace infinity::io {
 namespace {
 constexpr int kReapTimeoutMs = 100;  // a worker re-checks for shutdown this often
 constexpr int kMaxNoProgress = 8;    // zero-progress retries before a chunk fails
+constexpr size_t kMaxBlock = 1u << 30;  // io_uring lengths are 32-bit
 
 size_t round_down(size_t x, size_t a) { return x / a * a; }
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -39,7 +40,9 @@ Request::~Request() {
 
 bool Request::wait(double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
-  if (timeout_s < 0) {
+  // Negative, non-finite or absurdly long timeouts mean "forever": a huge
+  // double would overflow the clock's integer duration.
+  if (timeout_s < 0 || !(timeout_s < 1e9)) {
     cv_.wait(lk, [&] { return done_; });
     return true;
   }
@@ -82,11 +85,16 @@ void Request::complete() {
   bool ok;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    done_ = true;
     ok = error_.err == 0;
   }
+  // Byte counters first, so a waiter that wakes up sees them updated.
+  if (ok) (write_ ? handle_->bytes_written_ : handle_->bytes_read_).fetch_add(nbytes_);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    done_ = true;
+  }
   cv_.notify_all();
-  handle_->request_finished(*this, ok);
+  handle_->release_inflight();
   // Last: this may destroy the Request (see [Note: request lifetime]).
   std::shared_ptr<Request> keep = std::move(self_);
 }
@@ -139,8 +147,9 @@ struct Handle::Worker {
 // ---------------------------------------------------------------- Handle
 
 Handle::Handle(const HandleOptions& opts) : opts_(opts) {
-  if (opts.block_size == 0 || opts.block_size % 4096 != 0)
-    throw ArgumentError("block_size must be a positive multiple of 4096, got " + std::to_string(opts.block_size));
+  if (opts.block_size == 0 || opts.block_size % 4096 != 0 || opts.block_size > kMaxBlock)
+    throw ArgumentError("block_size must be a multiple of 4096 in [4096, 1 GiB], got " +
+                        std::to_string(opts.block_size));
   if (opts.queue_depth < 1 || opts.queue_depth > 4096)
     throw ArgumentError("queue_depth must be in [1, 4096], got " + std::to_string(opts.queue_depth));
   if (opts.threads < 1 || opts.threads > 256)
@@ -173,7 +182,14 @@ Handle::Handle(const HandleOptions& opts) : opts_(opts) {
 Handle::~Handle() { close(); }
 
 void Handle::close() {
-  closed_.store(true);
+  // Serialised, so a second caller returns only once the workers are gone.
+  std::lock_guard<std::mutex> serial(close_mu_);
+  {
+    // Under queue_mu_: submit() checks closed_ and counts itself in flight
+    // under the same lock, so every request either is refused or is waited for.
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    closed_.store(true);
+  }
   wait_all();
   {
     std::lock_guard<std::mutex> lk(queue_mu_);
@@ -190,8 +206,7 @@ void Handle::wait_all() {
   idle_cv_.wait(lk, [&] { return inflight_.load() == 0; });
 }
 
-void Handle::request_finished(const Request& req, bool ok) {
-  if (ok) (req.is_write() ? bytes_written_ : bytes_read_).fetch_add(req.nbytes());
+void Handle::release_inflight() {
   // Decrement under the lock so close() cannot return (and free this Handle)
   // between the decrement and the notify.
   std::lock_guard<std::mutex> lk(idle_mu_);
@@ -201,16 +216,23 @@ void Handle::request_finished(const Request& req, bool ok) {
 
 std::shared_ptr<Request> Handle::submit(bool write, void* buf, size_t nbytes, const std::string& path,
                                         int64_t offset) {
-  if (closed_.load()) throw ArgumentError("I/O handle is closed; create a new AsyncIO");
   if (offset < 0)
     throw ArgumentError("offset must be >= 0, got " + std::to_string(offset) + " (path " + path + ")");
   if (path.empty()) throw ArgumentError("path must not be empty");
   if (nbytes > 0 && buf == nullptr) throw ArgumentError("buffer pointer is null (path " + path + ")");
 
+  {
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    if (closed_.load()) throw ArgumentError("I/O handle is closed; create a new AsyncIO");
+    inflight_.fetch_add(1);
+  }
   auto req = std::make_shared<Request>(this, write, path, offset, nbytes);
-  plan(*req, static_cast<char*>(buf));
-
-  inflight_.fetch_add(1);
+  try {
+    plan(*req, static_cast<char*>(buf));
+  } catch (...) {
+    release_inflight();
+    throw;
+  }
   req->self_ = req;
   req->unfinished_.store(req->chunks_.size());
   if (req->chunks_.empty()) {
@@ -359,9 +381,10 @@ void Handle::worker_loop(Worker* w) {
       int r = eng.submit(batch.data() + pos, static_cast<int>(batch.size() - pos));
       if (r == -EAGAIN || r == -EINTR || r == 0) break;  // the kernel is busy: reap, then retry
       if (r < 0) {
-        for (size_t i = pos; i < batch.size(); ++i) fail(batch[i], -r, "submit failed");
-        pos = batch.size();
-        break;
+        // The error belongs to the first chunk offered; the rest may be fine.
+        fail(batch[pos], -r, "submit failed");
+        ++pos;
+        continue;
       }
       inflight += r;
       pos += static_cast<size_t>(r);

@@ -30,7 +30,7 @@ class Handle;
 
 struct HandleOptions {
   Backend backend = Backend::kThreads;
-  size_t block_size = 1 << 20;  // largest piece handed to the kernel at once
+  size_t block_size = 1 << 20;  // largest piece handed to the kernel at once (<= 1 GiB)
   int queue_depth = 32;         // pieces in flight per worker
   int threads = 1;              // workers, each with its own engine
   bool direct = true;           // O_DIRECT for the aligned bulk of a request
@@ -102,10 +102,11 @@ class Handle {
   struct Worker;
   void plan(Request& req, char* buf);
   void worker_loop(Worker* w);
-  void request_finished(const Request& req, bool ok);
+  void release_inflight();
 
   HandleOptions opts_;
   std::atomic<bool> closed_{false};
+  std::mutex close_mu_;
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;

@@ -4,7 +4,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -146,6 +148,33 @@ static void many_in_flight(Backend b) {
   }
 }
 
+// close() racing with submit(): each submission is refused or completes.
+static void close_race(Backend b) {
+  for (int round = 0; round < 5; ++round) {
+    Handle h(opts(b, 4096, 2, 2));
+    std::vector<char> buf(5000, 7);
+    std::vector<std::shared_ptr<Request>> done;
+    std::atomic<int> submitted{0};
+    std::thread t([&] {
+      for (int i = 0; i < 200; ++i) {
+        try {
+          done.push_back(h.submit(true, buf.data(), buf.size(), g_dir + "/race.bin", i * 5000));
+          ++submitted;
+        } catch (const ArgumentError&) {
+          return;
+        }
+      }
+    });
+    while (submitted.load() < 5) std::this_thread::yield();
+    h.close();
+    t.join();
+    for (auto& r : done) {
+      CHECK(r->done());
+      CHECK(r->result() == buf.size());
+    }
+  }
+}
+
 static void lifetimes(Backend b) {
   char buf[100] = {1};
   for (int i = 0; i < 30; ++i) {
@@ -177,6 +206,7 @@ int main() {
     errors(b);
     many_in_flight(b);
     lifetimes(b);
+    close_race(b);
     std::printf("%s: %s\n", backend_name(b), g_failures == before ? "ok" : "FAILED");
   }
   std::string cmd = "rm -rf '" + g_dir + "'";

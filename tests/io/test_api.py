@@ -131,3 +131,38 @@ def test_many_handle_lifetimes(native_backend, disk_dir):
     for i in range(100):
         with AsyncIO(backend=native_backend, queue_depth=2, threads=2) as h:
             h.write(np.full(100, i % 256, np.uint8), disk_dir / "l.bin")
+
+
+def test_close_while_other_threads_submit(backend, disk_dir):
+    """Every submission racing with close() is either refused or completed; nothing hangs."""
+    import threading
+
+    h = AsyncIO(backend=backend, block_size=4096, queue_depth=2)
+    futures, refused = [], []
+
+    def submitter(k):
+        for i in range(300):
+            try:
+                futures.append(h.pwrite(np.full(5000, k, np.uint8), disk_dir / f"r{k}.bin", i * 5000))
+            except ValueError as exc:
+                refused.append(str(exc))
+                return
+
+    threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    while len(futures) < 20 and any(t.is_alive() for t in threads):
+        pass
+    h.close()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert all(f.done() for f in futures), "close() returned with requests still in flight"
+    assert all(f.wait(timeout=0) == 5000 for f in futures)
+    assert all("I/O handle is closed" in r for r in refused)
+
+
+def test_infinite_timeout_means_forever(backend, disk_dir):
+    with AsyncIO(backend=backend) as h:
+        assert h.pwrite(np.zeros(100, np.uint8), disk_dir / "i.bin").wait(timeout=float("inf")) == 100
+        assert h.pwrite(np.zeros(100, np.uint8), disk_dir / "i.bin").wait(timeout=1e300) == 100

@@ -113,7 +113,8 @@ def test_bad_arguments_raise_value_error(backend, disk_dir):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(block_size=1000), "AsyncIO: block_size must be >= 4096, got 1000"),
+    (dict(block_size=1000), r"AsyncIO: block_size must be in \[4096, 1073741824\], got 1000"),
+    (dict(block_size=2 << 30), r"AsyncIO: block_size must be in \[4096, 1073741824\], got 2147483648"),
     (dict(block_size=6000), "AsyncIO: block_size must be a multiple of 4096, got 6000"),
     (dict(queue_depth=0), r"AsyncIO: queue_depth must be in \[1, 4096\], got 0"),
     (dict(threads=0), r"AsyncIO: threads must be in \[1, 256\], got 0"),

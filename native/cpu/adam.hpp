@@ -1,0 +1,66 @@
+// CPU Adam/AdamW over flat buffers: fp32 master weights and moments, grads in
+// fp32/bf16/fp16, optional bf16/fp16 copy of the new weights, gradient
+// unscaling and an inf/nan check, in one sweep over the optimizer state.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "simd.hpp"
+
+namespace infinity::cpu {
+
+enum class Dtype { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct AdamArgs {
+  float* param = nullptr;
+  const void* grad = nullptr;
+  Dtype grad_dtype = Dtype::kF32;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  void* out_lowp = nullptr;  // null: no low-precision copy
+  Dtype lowp_dtype = Dtype::kBF16;
+  size_t n = 0;
+  int64_t step = 1;  // 1 on the first update
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  bool adamw = true;            // decoupled weight decay; false: L2 added to the grad
+  bool bias_correction = true;
+  double grad_scale = 1.0;      // grads are divided by this first
+  bool check_finite = true;     // scan grads first; skip the step on inf/nan
+};
+
+// Per-step constants, rounded to float the way torch rounds its Python
+// scalars when it applies them to float tensors.
+struct AdamScalars {
+  float inv_scale;  // 1 / grad_scale
+  float decay;      // 1 - lr * weight_decay (AdamW), else 1
+  float l2;         // weight_decay (Adam), else 0
+  float w1;         // lerp weight 1 - beta1
+  bool lerp_low;    // torch's lerp takes the other formula when w1 >= 0.5
+  float beta2;
+  float c2;         // 1 - beta2
+  float bc2_sqrt;   // sqrt(1 - beta2^step), or 1
+  float eps;
+  float neg_step;   // -lr / (1 - beta1^step)
+};
+
+AdamScalars adam_scalars(const AdamArgs& a);
+
+// Runs one step. Returns true when a gradient was inf/nan after unscaling:
+// then no buffer was written (needs check_finite). `level` picks the code path.
+bool adam_step(const AdamArgs& a, SimdLevel level);
+
+// Kernels over [lo, hi), one per code path. They return true if they saw a
+// non-finite unscaled gradient (the update still ran; adam_step scans first).
+bool adam_range_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi);
+bool adam_range_avx2(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi);
+bool adam_range_avx512(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi);
+bool nonfinite_scalar(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi);
+bool nonfinite_avx2(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi);
+bool nonfinite_avx512(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi);
+
+// The roofline reference: Adam's memory traffic (read p, g, m, v; write p, m,
+// v; optionally a 2-byte copy) with trivial arithmetic. Returns elapsed seconds.
+double stream_adam_traffic(float* p, const float* g, float* m, float* v, uint16_t* lowp, size_t n, int repeats);
+
+}  // namespace infinity::cpu

@@ -1,0 +1,83 @@
+// AVX2 + FMA + F16C path of CPU Adam (8 floats per step); see adam_avx512.cpp.
+// FMA is in the target list only because CPUs with AVX2 have it; the kernel
+// never fuses (see [Note: matching torch bit for bit] in adam.cpp).
+#include <cstddef>
+#include <cstdint>
+
+#include "adam.hpp"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace infinity::cpu {
+namespace {
+
+struct V {
+  typedef __m256 F;
+  typedef int Mask;
+  static constexpr size_t kWidth = 8;
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static Mask no_mask() { return 0; }
+  static bool any(Mask m) { return m != 0; }
+  static Mask or_nonfinite(Mask m, F x) {
+    const __m256i e = _mm256_set1_epi32(0x7f800000);
+    __m256i hit = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(x), e), e);
+    return m | _mm256_movemask_epi8(hit);
+  }
+  template <Dtype G>
+  static F load_grad(const void* g, size_t i) {
+    if (G == Dtype::kF32) return _mm256_loadu_ps(static_cast<const float*>(g) + i);
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));
+    if (G == Dtype::kF16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static void store_bf16(uint16_t* out, F x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), _mm256_castps_si256(nan));
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+  }
+  static void store_f16(uint16_t* out, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
+#include "adam_kernel.inl"
+
+}  // namespace
+
+bool adam_range_avx2(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  return adam_dispatch(a, s, lo, hi);
+}
+
+bool nonfinite_avx2(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi) {
+  return nonfinite_dispatch(grad, dt, inv_scale, lo, hi);
+}
+
+}  // namespace infinity::cpu
+
+#pragma GCC pop_options
+
+#else
+namespace infinity::cpu {
+bool adam_range_avx2(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  return adam_range_scalar(a, s, lo, hi);
+}
+bool nonfinite_avx2(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi) {
+  return nonfinite_scalar(grad, dt, inv_scale, lo, hi);
+}
+}  // namespace infinity::cpu
+#endif

@@ -1,0 +1,69 @@
+// The SIMD body of CPU Adam, written once over a vector traits type `V`.
+// Included by adam_avx2.cpp and adam_avx512.cpp inside a `#pragma GCC
+// target` region, with V defined there. It must stay operation-for-operation
+// identical to adam_range_scalar (see [Note: matching torch bit for bit]),
+// and it uses no std:: templates, so no ISA-specific copy of a shared inline
+// function can leak into other translation units.
+
+template <Dtype G, int LOWP>  // LOWP: 0 none, 1 bf16, 2 fp16
+static bool adam_kernel(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  typedef typename V::F F;
+  const F inv = V::set1(s.inv_scale), decay = V::set1(s.decay), l2 = V::set1(s.l2);
+  const F w1 = V::set1(s.w1), omw1 = V::set1(1.0f - s.w1), beta2 = V::set1(s.beta2), c2 = V::set1(s.c2);
+  const F bc2 = V::set1(s.bc2_sqrt), eps = V::set1(s.eps), neg_step = V::set1(s.neg_step);
+  const bool use_l2 = s.l2 != 0.0f, lerp_low = s.lerp_low;
+  typename V::Mask bad = V::no_mask();
+  size_t i = lo;
+  for (; i + V::kWidth <= hi; i += V::kWidth) {
+    F g = V::mul(V::template load_grad<G>(a.grad, i), inv);
+    bad = V::or_nonfinite(bad, g);
+    F p = V::load(a.param + i);
+    if (use_l2) g = V::add(g, V::mul(l2, p));
+    p = V::mul(p, decay);
+    F m = V::load(a.exp_avg + i);
+    m = lerp_low ? V::add(m, V::mul(w1, V::sub(g, m))) : V::sub(g, V::mul(V::sub(g, m), omw1));
+    F v = V::mul(V::load(a.exp_avg_sq + i), beta2);
+    v = V::add(v, V::mul(V::mul(c2, g), g));
+    F denom = V::add(V::div(V::sqrt(v), bc2), eps);
+    p = V::add(p, V::mul(neg_step, V::div(m, denom)));
+    V::store(a.param + i, p);
+    V::store(a.exp_avg + i, m);
+    V::store(a.exp_avg_sq + i, v);
+    if (LOWP == 1) V::store_bf16(static_cast<uint16_t*>(a.out_lowp) + i, p);
+    if (LOWP == 2) V::store_f16(static_cast<uint16_t*>(a.out_lowp) + i, p);
+  }
+  bool nonfinite = V::any(bad);
+  if (i < hi) nonfinite |= adam_range_scalar(a, s, i, hi);
+  return nonfinite;
+}
+
+template <Dtype G>
+static bool nonfinite_kernel(const void* grad, float inv_scale, size_t lo, size_t hi) {
+  const typename V::F inv = V::set1(inv_scale);
+  typename V::Mask bad = V::no_mask();
+  size_t i = lo;
+  for (; i + V::kWidth <= hi; i += V::kWidth) bad = V::or_nonfinite(bad, V::mul(V::template load_grad<G>(grad, i), inv));
+  return V::any(bad) || (i < hi && nonfinite_scalar(grad, G, inv_scale, i, hi));
+}
+
+template <Dtype G>
+static bool adam_dispatch_lowp(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  if (!a.out_lowp) return adam_kernel<G, 0>(a, s, lo, hi);
+  return a.lowp_dtype == Dtype::kBF16 ? adam_kernel<G, 1>(a, s, lo, hi) : adam_kernel<G, 2>(a, s, lo, hi);
+}
+
+static bool adam_dispatch(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  switch (a.grad_dtype) {
+    case Dtype::kBF16: return adam_dispatch_lowp<Dtype::kBF16>(a, s, lo, hi);
+    case Dtype::kF16: return adam_dispatch_lowp<Dtype::kF16>(a, s, lo, hi);
+    default: return adam_dispatch_lowp<Dtype::kF32>(a, s, lo, hi);
+  }
+}
+
+static bool nonfinite_dispatch(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi) {
+  switch (dt) {
+    case Dtype::kBF16: return nonfinite_kernel<Dtype::kBF16>(grad, inv_scale, lo, hi);
+    case Dtype::kF16: return nonfinite_kernel<Dtype::kF16>(grad, inv_scale, lo, hi);
+    default: return nonfinite_kernel<Dtype::kF32>(grad, inv_scale, lo, hi);
+  }
+}
