@@ -8,7 +8,6 @@ wraps it as a `torch.optim.Optimizer` whose state_dict has the same layout as
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -103,8 +102,7 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         n, step, float(lr), float(betas[0]), float(betas[1]), float(eps), float(weight_decay), bool(adamw),
         bool(bias_correction), float(grad_scale), out_lowp.data_ptr() if out_lowp is not None else 0,
-        _LOWP_DTYPES[out_lowp.dtype] if out_lowp is not None else "", bool(check_finite),
-        os.environ.get("INFINITY_SIMD", "") and "auto" or "auto")
+        _LOWP_DTYPES[out_lowp.dtype] if out_lowp is not None else "", bool(check_finite), "auto")
 
 
 def _reference_step(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, adamw,
