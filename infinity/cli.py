@@ -1,4 +1,4 @@
-"""The `infinity` command: info, bench io."""
+"""The `infinity` command: info, bench io, bench adam."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     from infinity.bench import io as bench_io
 
     bench_io.add_arguments(bsub.add_parser("io", help="read/write GB/s per backend, beside fio"))
+    from infinity.bench import adam as bench_adam
+
+    bench_adam.add_arguments(bsub.add_parser("adam", help="CPU Adam params/s beside torch.optim.AdamW"))
     return p
 
 
@@ -41,6 +44,10 @@ def _dispatch(args) -> int:
         from infinity.bench import io as bench_io
 
         return bench_io.run(args)
+    if args.cmd == "bench" and args.what == "adam":
+        from infinity.bench import adam as bench_adam
+
+        return bench_adam.run(args)
     return 2
 
 

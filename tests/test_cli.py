@@ -67,3 +67,30 @@ def test_bench_io_bad_size(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode != 0
     assert "--size: cannot read '12 parsecs' as a size; write e.g. 4096, 64KiB, 1MiB or 1GiB" in out.stderr
+
+
+def test_bench_adam_smoke_json():
+    from infinity._native_loader import native
+
+    if native is None:
+        pytest.skip("bench adam needs the native extension")
+    rows = [json.loads(line) for line in run("bench", "adam", "--sizes", "100K", "--repeats", "2",
+                                             "--json").splitlines()]
+    impls = {(r["impl"], r["lowp"]) for r in rows}
+    level = native.cpu_simd_level()
+    for need in [(f"infinity/{level}", None), (f"infinity/{level}", "bf16"), ("torch/fused", None),
+                 ("torch/foreach", "bf16"), ("torch/fused/amp", "bf16"), (f"infinity/{level}/amp", "bf16"),
+                 ("roofline", None), ("roofline", "bf16")]:
+        assert need in impls, need
+    for r in rows:
+        assert r["numel"] == 100_000 and r["params_per_s"] > 0
+        if r["impl"].startswith("infinity/"):
+            assert 0 < r["roofline_frac"]
+        if r["impl"] == "torch/fused":
+            assert r["vs_torch_fused"] == 1.0
+
+
+def test_bench_adam_bad_sizes():
+    out = subprocess.run(INFINITY + ["bench", "adam", "--sizes", "ten"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "--sizes: cannot read 'TEN' as a parameter count; write e.g. 10M or 1000000" in out.stderr

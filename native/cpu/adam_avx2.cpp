@@ -35,6 +35,11 @@ struct V {
     return m | _mm256_movemask_epi8(hit);
   }
   template <Dtype G>
+  static void prefetch_grad(const void* g, size_t i) {
+    const char* base = static_cast<const char*>(g) + i * (G == Dtype::kF32 ? 4 : 2);
+    _mm_prefetch(base, _MM_HINT_T0);
+  }
+  template <Dtype G>
   static F load_grad(const void* g, size_t i) {
     if (G == Dtype::kF32) return _mm256_loadu_ps(static_cast<const float*>(g) + i);
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));

@@ -40,6 +40,11 @@ struct V {
     return m | _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), e), e);
   }
   template <Dtype G>
+  static void prefetch_grad(const void* g, size_t i) {
+    const char* base = static_cast<const char*>(g) + i * (G == Dtype::kF32 ? 4 : 2);
+    _mm_prefetch(base, _MM_HINT_T0);
+  }
+  template <Dtype G>
   static F load_grad(const void* g, size_t i) {
     if (G == Dtype::kF32) return _mm512_loadu_ps(static_cast<const float*>(g) + i);
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + i));

@@ -1,6 +1,7 @@
 """AsyncIO surface: futures, asyncio, aligned buffers, backend discovery."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -82,9 +83,13 @@ def test_future_surface(backend, disk_dir):
 
 def test_wait_all_raises_an_unseen_error(native_backend, needs_native, disk_dir):
     with AsyncIO(backend=native_backend, block_size=4096) as h:
-        # One worker: the first completion is necessarily one of bad.bin's chunks.
         needs_native.set_fault(1, "errno", 5)
-        h.pwrite(np.zeros(4 * 4096, np.uint8), disk_dir / "bad.bin")  # future dropped
+        bad = h.pwrite(np.zeros(4 * 4096, np.uint8), disk_dir / "bad.bin")
+        # Let it finish before anything else is queued, or the fault could
+        # land on a later request's completion; done() does not report errors.
+        while not bad.done():
+            time.sleep(0.001)
+        del bad  # nobody will ever wait on it
         for i in range(50):  # later submissions must not prune the failed one
             h.pwrite(np.zeros(10, np.uint8), disk_dir / f"ok{i}.bin").wait()
         with pytest.raises(OSError, match=r"\[Errno 5\] write failed") as ei:

@@ -1,0 +1,205 @@
+"""`infinity bench adam`: params/s of our CPU Adam beside torch's, and our share of the memory roofline.
+
+All implementations run in one process on tensors of the same size, one
+optimizer step per timed sample, round-robin across implementations, median
+of --repeats after one warm-up each.
+Rows, per size:
+  fp32 only        infinity/<simd> (with and without the inf/nan pre-check),
+                   torch.optim.AdamW fused=True and foreach=True
+  + bf16 copy      infinity writes it in the same pass; torch steps, then
+                   copy_()s into a bf16 tensor
+  amp sequence     torch: unscale + inf check (_amp_foreach_non_finite_check_and_unscale_),
+                   fused step, bf16 copy; infinity: one call with grad_scale
+  amp, bf16 grads  the same with bf16 gradients (as they come off a bf16
+                   model): torch first widens them into the fp32 .grad
+The roofline is a streaming kernel with Adam's traffic (read p, g, m, v;
+write p, m, v; plus the 2-byte copy when there is one); roofline_frac is our
+params/s divided by its params/s.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from infinity._native_loader import native
+from infinity.units import parse_size
+
+LEVELS = ("avx512", "avx2", "scalar")
+
+
+@dataclass(kw_only=True, slots=True)
+class AdamResult:
+    """Median params/s of one implementation at one size."""
+
+    impl: str
+    numel: int
+    lowp: str | None
+    params_per_s: float
+    stdev: float
+    vs_torch_fused: float | None = None
+    roofline_frac: float | None = None
+
+
+def _interleaved_rates(fns: list, numel: int, repeats: int) -> list[tuple[float, float]]:
+    """Median and stdev of params/s per function, timed round-robin.
+
+    One step of each implementation per round, so drift in a shared
+    machine's memory bandwidth hits all of them alike.
+    """
+    for fn in fns:
+        fn()  # warm-up: page faults, thread pools, lazy state
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(numel / (time.perf_counter() - t0))
+    return [(statistics.median(s), statistics.stdev(s) if len(s) > 1 else 0.0) for s in samples]
+
+
+class _Tensors:
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(0)
+        self.p = torch.randn(n, generator=g)
+        self.g = torch.randn(n, generator=g) * 1e-2
+        self.g16 = self.g.to(torch.bfloat16)
+        self.m = torch.zeros(n)
+        self.v = torch.zeros(n)
+        self.out = torch.empty(n, dtype=torch.bfloat16)
+        self.step = 0
+
+
+def _ours(t: _Tensors, level: str, *, lowp: bool, check: bool, scale: float = 1.0, bf16_grads: bool = False):
+    grad, gdt = (t.g16, "bfloat16") if bf16_grads else (t.g, "float32")
+
+    def run():
+        t.step += 1
+        native.adam_step(t.p.data_ptr(), grad.data_ptr(), gdt, t.m.data_ptr(), t.v.data_ptr(), t.p.numel(),
+                         t.step, 1e-4, 0.9, 0.999, 1e-8, 0.01, True, True, scale,
+                         t.out.data_ptr() if lowp else 0, "bfloat16" if lowp else "", check, level)
+    return run
+
+
+class _TorchAdamW:
+    """One torch AdamW (fused or foreach) and its own param/grad/state copies.
+
+    The variants below share it: timing does not depend on the values, and
+    one state per torch implementation keeps 200M-parameter runs in RAM.
+    """
+
+    def __init__(self, t: _Tensors, *, fused: bool):
+        self.p = t.p.clone().requires_grad_()
+        self.p.grad = t.g.clone()
+        kind = {"fused": True} if fused else {"foreach": True}
+        self.opt = torch.optim.AdamW([self.p], lr=1e-4, weight_decay=0.01, **kind)
+
+
+def _torch(t: _Tensors, ref: _TorchAdamW, *, lowp: bool, amp: bool, bf16_grads: bool = False):
+    p, opt = ref.p, ref.opt
+    found_inf = torch.zeros(1)
+    inv_scale = torch.ones(1)
+
+    def run():
+        if bf16_grads:
+            # torch's fused AdamW needs grads in the params' dtype: bf16
+            # grads from the device are first widened into the fp32 .grad.
+            p.grad.copy_(t.g16)
+        if amp:
+            torch._amp_foreach_non_finite_check_and_unscale_([p.grad], found_inf, inv_scale)
+            if found_inf.item():
+                return
+        opt.step()
+        if lowp:
+            t.out.copy_(p.detach())
+    return run
+
+
+def _roofline(arrays: list, out, *, lowp: bool):
+    # Its own arrays: the kernel's additions would otherwise drive the Adam
+    # state to NaN and change what the other rows measure.
+    p, g, m, v = arrays
+    args = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), out.data_ptr() if lowp else 0, p.numel())
+    return lambda: native.stream_adam_traffic(*args, 1)
+
+
+def measure(numel: int, repeats: int, levels: list[str]) -> list[AdamResult]:
+    t = _Tensors(numel)
+    fused, foreach = _TorchAdamW(t, fused=True), _TorchAdamW(t, fused=False)
+    plan = []  # (impl, lowp, fn)
+    for lowp_on, lowp in ((False, None), (True, "bf16")):
+        for level in levels:
+            plan.append((f"infinity/{level}", lowp, _ours(t, level, lowp=lowp_on, check=True)))
+        plan.append((f"infinity/{levels[0]}/no-check", lowp, _ours(t, levels[0], lowp=lowp_on, check=False)))
+        plan.append(("torch/fused", lowp, _torch(t, fused, lowp=lowp_on, amp=False)))
+        plan.append(("torch/foreach", lowp, _torch(t, foreach, lowp=lowp_on, amp=False)))
+    plan.append((f"infinity/{levels[0]}/amp", "bf16", _ours(t, levels[0], lowp=True, check=True, scale=1024.0)))
+    plan.append(("torch/fused/amp", "bf16", _torch(t, fused, lowp=True, amp=True)))
+    plan.append((f"infinity/{levels[0]}/amp-bf16grad", "bf16",
+                 _ours(t, levels[0], lowp=True, check=True, scale=1024.0, bf16_grads=True)))
+    plan.append(("torch/fused/amp-bf16grad", "bf16", _torch(t, fused, lowp=True, amp=True, bf16_grads=True)))
+    roof_arrays = [torch.zeros(numel) for _ in range(4)]
+    roof_out = torch.empty(numel, dtype=torch.bfloat16)
+    plan.append(("roofline", None, _roofline(roof_arrays, roof_out, lowp=False)))
+    plan.append(("roofline", "bf16", _roofline(roof_arrays, roof_out, lowp=True)))
+    rates = _interleaved_rates([fn for _, _, fn in plan], numel, repeats)
+    rows = [AdamResult(impl=impl, numel=numel, lowp=lowp, params_per_s=rate, stdev=sd)
+            for (impl, lowp, _), (rate, sd) in zip(plan, rates)]
+
+    roof = {r.lowp: r.params_per_s for r in rows if r.impl == "roofline"}
+    for r in rows:
+        if r.impl == "roofline":
+            continue
+        suffix = r.impl.rsplit("/", 1)[-1]
+        peer = f"torch/fused/{suffix}" if suffix.startswith("amp") else "torch/fused"
+        base = next(x for x in rows if x.impl == peer and x.lowp == r.lowp)
+        r.vs_torch_fused = r.params_per_s / base.params_per_s
+        if r.impl.startswith("infinity/"):
+            r.roofline_frac = r.params_per_s / roof[r.lowp]
+    return rows
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--sizes", default="10M,50M,200M", help="comma-separated parameter counts (K/M/G = 1e3/1e6/1e9)")
+    p.add_argument("--repeats", type=int, default=7, help="timed steps per implementation; the median is reported")
+    p.add_argument("--threads", type=int, default=0, help="threads for both torch and ours (default: all cores)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+def _count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "B": 10 ** 9}.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise ValueError(f"--sizes: cannot read {text!r} as a parameter count; write e.g. 10M or 1000000") from None
+
+
+def run(args) -> int:
+    if native is None:
+        raise SystemExit("bench adam: needs the native extension (make build)")
+    sizes = [_count(s) for s in args.sizes.split(",") if s.strip()]
+    if args.repeats < 1:
+        raise SystemExit("bench adam: --repeats must be >= 1")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+        native.set_num_threads(args.threads)
+    levels = [lv for lv in LEVELS if LEVELS.index(lv) >= LEVELS.index(native.cpu_simd_level())]
+    if not args.json:
+        print(f"# bench adam: sizes={sizes} repeats={args.repeats} threads: ours={native.get_num_threads()} "
+              f"torch={torch.get_num_threads()} simd={levels} torch={torch.__version__}", flush=True)
+        print(f"{'impl':28} {'numel':>11} {'lowp':>5} {'Gparam/s':>9} {'±':>6} {'vs fused':>8} {'roofline':>8}")
+    for numel in sizes:
+        for r in measure(numel, args.repeats, levels):
+            if args.json:
+                print(json.dumps(asdict(r)), flush=True)
+            else:
+                vs = f"{r.vs_torch_fused:8.2f}" if r.vs_torch_fused is not None else " " * 8
+                rf = f"{100 * r.roofline_frac:7.1f}%" if r.roofline_frac is not None else ""
+                print(f"{r.impl:28} {r.numel:>11} {r.lowp or '-':>5} {r.params_per_s / 1e9:9.3f} "
+                      f"{r.stdev / 1e9:6.3f} {vs} {rf}", flush=True)
+    return 0
