@@ -38,18 +38,16 @@ def _native_extension():
     from pybind11.setup_helpers import Pybind11Extension
 
     macros, libs = [], []
-    if _links("libaio.h", "aio", "io_context_t c = 0; (void)c;"):
-        macros.append(("INFINITY_HAVE_LIBAIO", "1"))
-        libs.append("aio")
-    else:
-        print("infinity: libaio.h not found, building without the libaio backend "
-              "(apt-get install libaio-dev)", file=sys.stderr)
-    if _links("liburing.h", "uring", "struct io_uring r; (void)r;"):
-        macros.append(("INFINITY_HAVE_URING", "1"))
-        libs.append("uring")
-    else:
-        print("infinity: liburing.h not found, building without the io_uring backend "
-              "(apt-get install liburing-dev)", file=sys.stderr)
+    # (header, library, probe snippet, macro, apt package) per optional backend.
+    optional = [("libaio.h", "aio", "io_context_t c = 0; (void)c;", "INFINITY_HAVE_LIBAIO", "libaio-dev"),
+                ("liburing.h", "uring", "struct io_uring r; (void)r;", "INFINITY_HAVE_URING", "liburing-dev")]
+    for header, lib, snippet, macro, package in optional:
+        if _links(header, lib, snippet):
+            macros.append((macro, "1"))
+            libs.append(lib)
+        else:
+            print(f"infinity: {header} not found, building without that backend (apt-get install {package})",
+                  file=sys.stderr)
 
     # -ffp-contract=off: the SIMD Adam paths must round exactly like the
     # scalar reference (see [Note: matching torch bit for bit]).

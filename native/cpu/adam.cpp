@@ -83,12 +83,14 @@ bool nonfinite_scalar(const void* grad, Dtype dt, float inv_scale, size_t lo, si
 bool adam_step(const AdamArgs& a, SimdLevel level) {
   if (a.n == 0) return false;
   const AdamScalars s = adam_scalars(a);
-  auto update = level == SimdLevel::kAvx512 ? adam_range_avx512
-              : level == SimdLevel::kAvx2   ? adam_range_avx2
-                                            : adam_range_scalar;
-  auto scan = level == SimdLevel::kAvx512 ? nonfinite_avx512
-            : level == SimdLevel::kAvx2   ? nonfinite_avx2
-                                          : nonfinite_scalar;
+  auto update = adam_range_scalar;
+  auto scan = nonfinite_scalar;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (level == SimdLevel::kAvx512) update = adam_range_avx512, scan = nonfinite_avx512;
+  if (level == SimdLevel::kAvx2) update = adam_range_avx2, scan = nonfinite_avx2;
+#else
+  (void)level;  // detected_simd() is always scalar here
+#endif
   if (a.check_finite) {
     // "Leave every buffer untouched" needs the verdict before the first
     // write, so the check is its own read-only sweep over the gradients

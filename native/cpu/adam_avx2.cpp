@@ -60,29 +60,10 @@ struct V {
   }
 };
 
+#define INFINITY_ISA_SUFFIX avx2
 #include "adam_kernel.inl"
-
-}  // namespace
-
-bool adam_range_avx2(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
-  return adam_dispatch(a, s, lo, hi);
-}
-
-bool nonfinite_avx2(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi) {
-  return nonfinite_dispatch(grad, dt, inv_scale, lo, hi);
-}
 
 }  // namespace infinity::cpu
 
 #pragma GCC pop_options
-
-#else
-namespace infinity::cpu {
-bool adam_range_avx2(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
-  return adam_range_scalar(a, s, lo, hi);
-}
-bool nonfinite_avx2(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi) {
-  return nonfinite_scalar(grad, dt, inv_scale, lo, hi);
-}
-}  // namespace infinity::cpu
-#endif
+#endif  // x86-64: other architectures dispatch to scalar (adam.cpp)

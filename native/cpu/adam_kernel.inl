@@ -3,7 +3,9 @@
 // target` region, with V defined there. It must stay operation-for-operation
 // identical to adam_range_scalar (see [Note: matching torch bit for bit]),
 // and it uses no std:: templates, so no ISA-specific copy of a shared inline
-// function can leak into other translation units.
+// function can leak into other translation units. The including file opens
+// an anonymous namespace and defines INFINITY_ISA_SUFFIX; this file closes
+// the namespace and defines adam_range_<suffix> and nonfinite_<suffix>.
 
 template <Dtype G, int LOWP>  // LOWP: 0 none, 1 bf16, 2 fp16
 static bool adam_kernel(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
@@ -77,4 +79,17 @@ static bool nonfinite_dispatch(const void* grad, Dtype dt, float inv_scale, size
     case Dtype::kF16: return nonfinite_kernel<Dtype::kF16>(grad, inv_scale, lo, hi);
     default: return nonfinite_kernel<Dtype::kF32>(grad, inv_scale, lo, hi);
   }
+}
+
+}  // namespace
+
+// The exported entry points of this ISA (names from INFINITY_ISA_SUFFIX).
+#define INFINITY_CAT2(a, b) a##b
+#define INFINITY_CAT(a, b) INFINITY_CAT2(a, b)
+bool INFINITY_CAT(adam_range_, INFINITY_ISA_SUFFIX)(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  return adam_dispatch(a, s, lo, hi);
+}
+bool INFINITY_CAT(nonfinite_, INFINITY_ISA_SUFFIX)(const void* grad, Dtype dt, float inv_scale, size_t lo,
+                                                    size_t hi) {
+  return nonfinite_dispatch(grad, dt, inv_scale, lo, hi);
 }

@@ -1,10 +1,26 @@
 #include "engine.hpp"
 
+#include <cerrno>
+
 namespace infinity::io {
 
 std::unique_ptr<Engine> make_threads_engine();
 std::unique_ptr<Engine> make_libaio_engine(int depth, int* err);
 std::unique_ptr<Engine> make_uring_engine(int depth, int* err);
+
+// Builds without a backend's headers get a factory that says so.
+#ifndef INFINITY_HAVE_LIBAIO
+std::unique_ptr<Engine> make_libaio_engine(int, int* err) {
+  *err = ENOSYS;
+  return nullptr;
+}
+#endif
+#ifndef INFINITY_HAVE_URING
+std::unique_ptr<Engine> make_uring_engine(int, int* err) {
+  *err = ENOSYS;
+  return nullptr;
+}
+#endif
 
 std::unique_ptr<Engine> make_engine(Backend backend, int queue_depth, int* err) {
   *err = 0;

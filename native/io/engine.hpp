@@ -53,6 +53,19 @@ class Engine {
   virtual int reap(Completion* out, int max, int timeout_ms) = 0;
 };
 
+// Constructs E(depth) and runs its init() (which returns -errno); nullptr
+// with *err set to the positive errno when init fails.
+template <class E>
+std::unique_ptr<Engine> start_engine(int depth, int* err) {
+  auto e = std::make_unique<E>(depth);
+  int r = e->init();
+  if (r < 0) {
+    *err = -r;
+    return nullptr;
+  }
+  return e;
+}
+
 // Creates an engine or returns nullptr with *err set to a positive errno.
 std::unique_ptr<Engine> make_engine(Backend backend, int queue_depth, int* err);
 

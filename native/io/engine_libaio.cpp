@@ -1,7 +1,5 @@
 // Linux native AIO. Only truly asynchronous with O_DIRECT; on a buffered fd
 // io_submit blocks, which is still correct.
-#include <memory>
-
 #include "engine.hpp"
 
 #ifdef INFINITY_HAVE_LIBAIO
@@ -79,23 +77,8 @@ class LibaioEngine final : public Engine {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_libaio_engine(int depth, int* err) {
-  auto e = std::make_unique<LibaioEngine>(depth);
-  int r = e->init();
-  if (r < 0) {
-    *err = -r;
-    return nullptr;
-  }
-  return e;
-}
+std::unique_ptr<Engine> make_libaio_engine(int depth, int* err) { return start_engine<LibaioEngine>(depth, err); }
 
 }  // namespace infinity::io
 
-#else
-namespace infinity::io {
-std::unique_ptr<Engine> make_libaio_engine(int, int* err) {
-  *err = 38;  // ENOSYS: built without libaio.h
-  return nullptr;
-}
-}  // namespace infinity::io
-#endif
+#endif  // the stub for builds without libaio.h is in engine.cpp

@@ -1,6 +1,4 @@
 // io_uring engine: one ring per worker, sized to the queue depth.
-#include <memory>
-
 #include "engine.hpp"
 
 #ifdef INFINITY_HAVE_URING
@@ -68,23 +66,8 @@ class UringEngine final : public Engine {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_uring_engine(int depth, int* err) {
-  auto e = std::make_unique<UringEngine>(depth);
-  int r = e->init();
-  if (r < 0) {
-    *err = -r;
-    return nullptr;
-  }
-  return e;
-}
+std::unique_ptr<Engine> make_uring_engine(int depth, int* err) { return start_engine<UringEngine>(depth, err); }
 
 }  // namespace infinity::io
 
-#else
-namespace infinity::io {
-std::unique_ptr<Engine> make_uring_engine(int, int* err) {
-  *err = 38;  // ENOSYS: built without liburing.h
-  return nullptr;
-}
-}  // namespace infinity::io
-#endif
+#endif  // the stub for builds without liburing.h is in engine.cpp

@@ -7,20 +7,12 @@
 #include <random>
 #include <vector>
 
+#include "check.hpp"
 #include "cpu/adam.hpp"
 #include "cpu/lowp.hpp"
 #include "cpu/simd.hpp"
 
 using namespace infinity::cpu;
-
-static int g_failures = 0;
-#define CHECK(cond)                                                                \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                                \
-    }                                                                              \
-  } while (0)
 
 struct State {
   std::vector<float> p, m, v, g32;

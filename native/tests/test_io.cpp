@@ -14,21 +14,13 @@
 #include <string>
 #include <vector>
 
+#include "check.hpp"
 #include "io/engine.hpp"
 #include "io/fault.hpp"
 #include "io/file.hpp"
 #include "io/handle.hpp"
 
 using namespace infinity::io;
-
-static int g_failures = 0;
-#define CHECK(cond)                                                         \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                         \
-    }                                                                       \
-  } while (0)
 
 static std::string g_dir;
 
