@@ -11,5 +11,7 @@ __version__ = "0.1.0"
 _warn_if_missing()
 
 from infinity import io  # noqa: E402
+from infinity.config import load_config  # noqa: E402
+from infinity.errors import ConfigError  # noqa: E402
 
-__all__ = ["io", "__version__"]
+__all__ = ["io", "load_config", "ConfigError", "__version__"]

@@ -1,0 +1,287 @@
+"""load_config: JSON (or a dict) -> frozen Config, validated before anything touches the disk.
+
+Every error is a ConfigError whose message starts with the dotted key path
+and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import tempfile
+import typing
+import warnings
+
+from infinity.config import schema
+from infinity.config.schema import ALIASES, DEEPSPEED_ACCEPTED, Config
+from infinity.errors import ConfigError
+from infinity.units import parse_size
+
+
+def load_config(source, *, nvme_path: str | os.PathLike | None = None) -> Config:
+    """Load a swap config from a path, a JSON string's file, or a dict.
+
+    `nvme_path` overrides both offload sections' `nvme_path` (the shipped
+    configs carry a placeholder, and `infinity train --nvme-path` sets it).
+    """
+    raw, origin = _read(source)
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{origin}: the top level must be a JSON object, got {type(raw).__name__}")
+    if nvme_path is not None:
+        raw = _override_nvme(raw, os.fspath(nvme_path))
+    ignored: list[str] = []
+    cfg = _build(Config, raw, "", ignored)
+    cfg = dataclasses.replace(cfg, ignored=tuple(ignored))
+    _check_semantics(cfg)
+    _check_paths(cfg)
+    if ignored:
+        warnings.warn(f"infinity: these DeepSpeed keys are accepted but have no effect: {', '.join(ignored)}",
+                      stacklevel=2)
+    return cfg
+
+
+# ----------------------------------------------------------------- reading
+
+def _read(source):
+    if isinstance(source, dict):
+        return source, "config dict"
+    path = os.fspath(source)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError("", f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError("", f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        return json.loads(text), path
+    except json.JSONDecodeError as exc:
+        raise ConfigError("", f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+
+
+def _override_nvme(raw: dict, path: str) -> dict:
+    raw = json.loads(json.dumps(raw))  # deep copy; the caller's dict stays as it was
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, dict):
+        for section in ("offload_param", "offload_optimizer"):
+            if isinstance(zero.get(section), dict) and zero[section].get("device") == "nvme":
+                zero[section]["nvme_path"] = path
+    return raw
+
+
+# ---------------------------------------------------------------- building
+
+def _build(cls, raw, path: str, ignored: list):
+    if not isinstance(raw, dict):
+        raise ConfigError(path, f"must be a JSON object, got {_describe(raw)}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    hints = typing.get_type_hints(cls, vars(schema))
+    aliases = ALIASES.get(path, {})
+    accepted = DEEPSPEED_ACCEPTED.get(path, set())
+    values: dict = {}
+    spelled: dict = {}  # field name -> the key it was given as
+    for key, value in raw.items():
+        where = f"{path}.{key}" if path else key
+        name = aliases.get(key, key)
+        if name in values:
+            raise ConfigError(where, f"given twice (as {spelled[name]} and as {key}); keep one")
+        spelled[name] = key
+        if name not in fields:
+            if key in accepted:
+                ignored.append(where)
+                continue
+            raise ConfigError(where, _unknown(key, list(fields) + list(aliases)))
+        f = fields[name]
+        values[name] = _value(hints[name], f, value, where, ignored)
+    return cls(**values)
+
+
+def _unknown(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid keys here: {', '.join(sorted(valid))}"
+    return f"unknown key; {hint}"
+
+
+def _describe(value) -> str:
+    if isinstance(value, str):
+        return f"the string {json.dumps(value)}"
+    if isinstance(value, bool):
+        return json.dumps(value)
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {json.dumps(value)}" if isinstance(value, (int, float)) else type(value).__name__
+
+
+def _value(hint, f: dataclasses.Field, value, where: str, ignored: list):
+    meta = f.metadata
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where, ignored)
+    optional = type(None) in typing.get_args(hint)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(where, "must not be null; remove the key to use the default")
+    if value == "auto" and "auto" not in (meta.get("choices") or ()):
+        raise ConfigError(where, '"auto" is filled in by the Hugging Face Trainer, not by DeepSpeed or infinity; '
+                                 "give a value")
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    kind = meta.get("kind")
+    if kind == "betas":
+        return _betas(value, where)
+    if kind == "size":
+        return _checked_number(_size(value, where), meta, where)
+    if kind in ("path", "str") or base is str:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(where, f"must be a non-empty string, got {_describe(value)}")
+        return _choice(value, meta, where)
+    if base is bool:
+        if not isinstance(value, bool):
+            got = _describe(value)
+            raise ConfigError(where, f"must be true or false (a JSON boolean, no quotes), got {got}")
+        return value
+    if base is int:
+        return _checked_number(_integer(value, where), meta, where)
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(where, f"must be a number, got {_describe(value)}")
+        return _checked_number(float(value), meta, where)
+    raise AssertionError(f"unhandled type {hint} for {where}")
+
+
+def _integer(value, where: str) -> int:
+    # DeepSpeed configs write sizes as 1e9: accept floats that are whole numbers.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(where, f"must be an integer, got {_describe(value)}")
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise ConfigError(where, f"must be a whole number, got {value}")
+    return int(value)
+
+
+def _size(value, where: str) -> int:
+    if isinstance(value, str):
+        try:
+            return parse_size(value, name=where)
+        except ValueError as exc:
+            raise ConfigError(where, str(exc).split(": ", 1)[-1]) from None
+    return _integer(value, where)
+
+
+def _checked_number(value, meta, where: str):
+    low, high = meta.get("low"), meta.get("high")
+    if low is not None and value < low:
+        raise ConfigError(where, f"must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ConfigError(where, f"must be <= {high}, got {value}")
+    return value
+
+
+def _choice(value: str, meta, where: str) -> str:
+    choices = meta.get("choices")
+    if not choices:
+        return value
+    for c in choices:
+        if value.lower() == c.lower():
+            return c
+    return _raise(where, f"must be one of {', '.join(choices)}, got {json.dumps(value)}")
+
+
+def _raise(where: str, message: str):
+    raise ConfigError(where, message)
+
+
+def _betas(value, where: str) -> tuple:
+    if not (isinstance(value, list) and len(value) == 2):
+        raise ConfigError(where, f"must be a list of two numbers [beta1, beta2], got {_describe(value)}")
+    out = []
+    for i, b in enumerate(value):
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ConfigError(f"{where}[{i}]", f"must be a number in [0, 1), got {_describe(b)}")
+        out.append(float(b))
+    return tuple(out)
+
+
+# --------------------------------------------------------------- semantics
+
+def _check_semantics(cfg: Config) -> None:
+    zero = cfg.zero_optimization
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError("fp16.enabled", "fp16 and bf16 are both enabled; enable one of them")
+    if zero.offload_param.device != "none" and zero.stage != 3:
+        raise ConfigError("zero_optimization.offload_param",
+                          f"parameter offload needs zero_optimization.stage = 3 (it is {zero.stage}): "
+                          "only stage 3 partitions the parameters")
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer",
+                          "optimizer offload needs zero_optimization.stage >= 1")
+    for name in ("offload_param", "offload_optimizer"):
+        section = getattr(zero, name)
+        if section.device == "nvme" and not section.nvme_path:
+            raise ConfigError(f"zero_optimization.{name}.nvme_path",
+                              'is required when device is "nvme"; point it at a directory on a fast disk')
+    if cfg.optimizer.params.amsgrad:
+        raise ConfigError("optimizer.params.amsgrad", "amsgrad is not supported; set it to false or remove it")
+    tb, mb, acc = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    if tb is not None and mb is not None and tb % (mb * acc) != 0:
+        raise ConfigError("train_batch_size",
+                          f"{tb} is not a multiple of train_micro_batch_size_per_gpu x gradient_accumulation_steps "
+                          f"= {mb} x {acc}; it must equal that times the number of ranks")
+    if cfg.aio.block_size % 4096:
+        raise ConfigError("aio.block_size", f"must be a multiple of 4096, got {cfg.aio.block_size}")
+    if zero.offload_optimizer.device == "nvme" and zero.offload_optimizer.buffer_count < 3 and (
+            zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write):
+        raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
+                          f"pipelining needs at least 3 buffers (read, Adam, write), got "
+                          f"{zero.offload_optimizer.buffer_count}")
+
+
+def _check_paths(cfg: Config) -> None:
+    """nvme_path must exist, be a writable directory and (with direct_io) support O_DIRECT."""
+    zero = cfg.zero_optimization
+    for name in ("offload_param", "offload_optimizer"):
+        section = getattr(zero, name)
+        if section.device != "nvme":
+            continue
+        key = f"zero_optimization.{name}.nvme_path"
+        path = section.nvme_path
+        if not os.path.exists(path):
+            raise ConfigError(key, f"{path} does not exist; create it or point nvme_path at an existing directory")
+        if not os.path.isdir(path):
+            raise ConfigError(key, f"{path} is not a directory")
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as exc:
+            raise ConfigError(key, f"{path} is not writable ({exc.strerror}); choose a directory you can write") \
+                from None
+        if cfg.infinity.direct_io:
+            from infinity._native_loader import native
+
+            if native is not None and native.direct_alignment(path) == 0:
+                raise ConfigError(key, f"the filesystem of {path} does not support O_DIRECT; use a directory on "
+                                       'a real disk, or set infinity.direct_io = false (or aio.backend = "python")')
+
+
+def check_free_space(cfg: Config, needed_bytes: int) -> None:
+    """Raise if the nvme_path filesystems cannot hold `needed_bytes` of swap files (the engine calls this)."""
+    import shutil
+
+    for name in ("offload_param", "offload_optimizer"):
+        section = getattr(cfg.zero_optimization, name)
+        if section.device == "nvme":
+            free = shutil.disk_usage(section.nvme_path).free
+            if free < needed_bytes:
+                raise ConfigError(f"zero_optimization.{name}.nvme_path",
+                                  f"{section.nvme_path} has {free / 1e9:.1f} GB free but the swap files need "
+                                  f"{needed_bytes / 1e9:.1f} GB; free space or choose a bigger disk")
+
+
+def check_buffer_size(cfg: Config, largest_partition_numel: int) -> None:
+    """Raise, naming a size that would work, if the parameter buffers cannot hold the largest partition."""
+    section = cfg.zero_optimization.offload_param
+    if section.device == "nvme" and section.buffer_size < largest_partition_numel:
+        raise ConfigError("zero_optimization.offload_param.buffer_size",
+                          f"{section.buffer_size} elements cannot hold the largest parameter partition "
+                          f"({largest_partition_numel} elements); set it to at least {largest_partition_numel}")

@@ -1,0 +1,230 @@
+"""The swap config as typed, frozen dataclasses, with DeepSpeed's key names.
+
+Each field's docstring says what it does. Ranges live in `metadata` and are
+checked by `infinity.config.load` before anything touches the disk. Keys that
+DeepSpeed accepts but `infinity` does not use yet are listed in
+`DEEPSPEED_ACCEPTED`: a config copied from DeepSpeed loads, and each such key
+is reported once as ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def spec(default, *, low=None, high=None, choices=None, kind=None, default_factory=None):
+    """A field with its checks: numeric bounds, allowed strings, or an explicit kind."""
+    meta = {"low": low, "high": high, "choices": choices, "kind": kind}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadParamConfig:
+    """zero_optimization.offload_param: where fp16/bf16 parameter partitions live (stage 3 only)."""
+
+    device: str = spec("none", choices=("none", "cpu", "nvme"))
+    """none: on the device; cpu: pinned host memory; nvme: swap files under nvme_path."""
+    nvme_path: str | None = spec(None, kind="path")
+    """Directory for parameter swap files (device=nvme). Must exist, be writable and support O_DIRECT."""
+    buffer_count: int = spec(5, low=1, high=1 << 16)
+    """Number of pool buffers for parameter swapping."""
+    buffer_size: int = spec(100_000_000, low=1, high=1 << 40)
+    """Elements per pool buffer; must hold the largest parameter partition."""
+    max_in_cpu: int = spec(1_000_000_000, low=0, high=1 << 50)
+    """Parameter elements kept in host memory before spilling to NVMe."""
+    pin_memory: bool = spec(False)
+    """Page-lock the buffers (cudaHostRegister) for asynchronous device copies."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadOptimizerConfig:
+    """zero_optimization.offload_optimizer: where fp32 master weights and Adam moments live."""
+
+    device: str = spec("none", choices=("none", "cpu", "nvme"))
+    """none: on the device; cpu: host memory; nvme: swap files under nvme_path."""
+    nvme_path: str | None = spec(None, kind="path")
+    """Directory for optimizer swap files (device=nvme)."""
+    buffer_count: int = spec(4, low=1, high=1 << 16)
+    """Pool buffers for the optimizer swapper (at least 3 to overlap read, Adam and write)."""
+    pin_memory: bool = spec(False)
+    """Page-lock the buffers."""
+    pipeline_read: bool = spec(False)
+    """Read the next sub-group while Adam runs on this one."""
+    pipeline_write: bool = spec(False)
+    """Write the previous sub-group while Adam runs on this one."""
+    fast_init: bool = spec(False)
+    """DeepSpeed: skip writing initial state through the swapper (accepted; state is always written)."""
+    ratio: float = spec(1.0, low=0.0, high=1.0)
+    """Fraction of the optimizer state to offload (1.0 = all)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroConfig:
+    """zero_optimization: partitioning stage, offload targets, and bucket sizes."""
+
+    stage: int = spec(0, low=0, high=3)
+    """0: off; 1: optimizer state partitioned; 2: + gradients; 3: + parameters."""
+    offload_param: OffloadParamConfig = spec(None, default_factory=OffloadParamConfig)
+    """Parameter offload (stage 3 only)."""
+    offload_optimizer: OffloadOptimizerConfig = spec(None, default_factory=OffloadOptimizerConfig)
+    """Optimizer-state offload."""
+    sub_group_size: int = spec(1_000_000_000, low=1, high=1 << 50)
+    """Elements per optimizer sub-group: the unit the optimizer swapper moves."""
+    stage3_prefetch_bucket_size: int = spec(50_000_000, low=0, high=1 << 50)
+    """Parameter elements prefetched ahead of use."""
+    stage3_max_live_parameters: int = spec(1_000_000_000, low=0, high=1 << 50)
+    """Most parameter elements gathered at once."""
+    stage3_max_reuse_distance: int = spec(1_000_000_000, low=0, high=1 << 50)
+    """Keep a gathered parameter if it is reused within this many elements of compute."""
+    stage3_param_persistence_threshold: int = spec(100_000, low=0, high=1 << 50)
+    """Parameters smaller than this stay gathered."""
+    reduce_bucket_size: int = spec(500_000_000, low=1, high=1 << 50)
+    """Elements per gradient reduce-scatter bucket."""
+    overlap_comm: bool = spec(False)
+    """Overlap gradient communication with backward."""
+    contiguous_gradients: bool = spec(True)
+    """Copy gradients into one contiguous buffer as they are produced."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fp16Config:
+    """fp16: half precision with dynamic (loss_scale = 0) or static loss scaling."""
+
+    enabled: bool = spec(False)
+    """Train in fp16 with fp32 master weights."""
+    loss_scale: float = spec(0.0, low=0.0)
+    """0 for dynamic loss scaling, else the fixed scale."""
+    initial_scale_power: int = spec(16, low=0, high=64)
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = spec(1000, low=1)
+    """Clean steps before the scale doubles."""
+    hysteresis: int = spec(2, low=1)
+    """Overflows tolerated before the scale halves."""
+    min_loss_scale: float = spec(1.0, low=1e-30)
+    """The scale never drops below this."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bf16Config:
+    """bf16: bfloat16 compute with fp32 master weights; no loss scaling needed."""
+
+    enabled: bool = spec(False)
+    """Train in bf16."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerParams:
+    """optimizer.params: Adam/AdamW hyperparameters."""
+
+    lr: float = spec(1e-3, low=0.0)
+    """Learning rate."""
+    betas: tuple = spec((0.9, 0.999), kind="betas")
+    """(beta1, beta2), each in [0, 1)."""
+    eps: float = spec(1e-8, low=0.0)
+    """Added to the denominator."""
+    weight_decay: float = spec(0.0, low=0.0)
+    """Decoupled (AdamW) or L2 (Adam) weight decay."""
+    bias_correction: bool = spec(True)
+    """Apply Adam's bias correction."""
+    adam_w_mode: bool = spec(True)
+    """DeepSpeed's switch between AdamW (True) and Adam with L2 (False) for type Adam."""
+    amsgrad: bool = spec(False)
+    """Not supported: must be false (accepted so that DeepSpeed configs that spell it out load)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerConfig:
+    """optimizer: which optimizer and its params."""
+
+    type: str = spec("AdamW", choices=("Adam", "AdamW"))
+    """Adam or AdamW (case-insensitive on input)."""
+    params: OptimizerParams = spec(None, default_factory=OptimizerParams)
+    """Hyperparameters."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AioConfig:
+    """aio: the asynchronous I/O engine (infinity.io.AsyncIO)."""
+
+    block_size: int = spec(1 << 20, low=4096, high=1 << 30)
+    """Bytes per I/O piece; a multiple of 4096."""
+    queue_depth: int = spec(32, low=1, high=4096)
+    """Pieces in flight per worker thread."""
+    intra_op_parallelism: int = spec(1, low=1, high=256)
+    """Worker threads (DeepSpeed's older name: thread_count)."""
+    single_submit: bool = spec(False)
+    """DeepSpeed: submit one request per syscall (accepted; our engines always batch)."""
+    overlap_events: bool = spec(True)
+    """DeepSpeed: overlap submission and completion (accepted; always on here)."""
+    backend: str = spec("auto", choices=("auto", "io_uring", "libaio", "threads", "python"))
+    """infinity's addition: which AsyncIO backend to use."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InfinityConfig:
+    """infinity: our own settings, kept apart from DeepSpeed's sections."""
+
+    checksums: bool = spec(True)
+    """Checksum every swapped partition and verify it on read."""
+    direct_io: bool = spec(True)
+    """Use O_DIRECT for swap files (turn off on filesystems without it, e.g. old tmpfs)."""
+    memory_budget: int | None = spec(None, low=1 << 20, kind="size")
+    """Host-memory budget in bytes (or "8GiB"); the planner sizes the pools to fit it."""
+    trace_path: str | None = spec(None, kind="str")
+    """Write a Chrome-trace JSON of every I/O and compute span here."""
+    leftovers: str = spec("clear", choices=("clear", "reuse", "error"))
+    """What to do with swap files left by a crashed run."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """A whole swap config: DeepSpeed's top-level keys plus `infinity`."""
+
+    train_batch_size: int | None = spec(None, low=1)
+    """Global batch: micro batch x accumulation steps x ranks."""
+    train_micro_batch_size_per_gpu: int | None = spec(None, low=1)
+    """Samples per rank per forward/backward."""
+    gradient_accumulation_steps: int = spec(1, low=1)
+    """Micro-batches per optimizer step."""
+    gradient_clipping: float = spec(0.0, low=0.0)
+    """Clip the global gradient norm to this (0 = off)."""
+    fp16: Fp16Config = spec(None, default_factory=Fp16Config)
+    """fp16 mixed precision."""
+    bf16: Bf16Config = spec(None, default_factory=Bf16Config)
+    """bf16 mixed precision."""
+    optimizer: OptimizerConfig = spec(None, default_factory=OptimizerConfig)
+    """The optimizer."""
+    zero_optimization: ZeroConfig = spec(None, default_factory=ZeroConfig)
+    """ZeRO stage and offload."""
+    aio: AioConfig = spec(None, default_factory=AioConfig)
+    """Async I/O settings."""
+    infinity: InfinityConfig = spec(None, default_factory=InfinityConfig)
+    """infinity's own settings."""
+    ignored: tuple = field(default=(), metadata={"internal": True})
+    """DeepSpeed keys that were accepted but have no effect here (filled by the loader)."""
+
+
+# Aliases: DeepSpeed's older spellings of a key.
+ALIASES = {"aio": {"thread_count": "intra_op_parallelism"}, "bf16": {}, "zero_optimization": {}}
+
+# Keys DeepSpeed accepts that infinity does not act on (yet): loaded, reported, ignored.
+DEEPSPEED_ACCEPTED = {
+    "": {"steps_per_print", "wall_clock_breakdown", "scheduler", "zero_allow_untested_optimizer",
+         "dump_state", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "amp",
+         "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+         "communication_data_type", "zero_force_ds_cpu_optimizer", "data_types", "memory_breakdown"},
+    "zero_optimization": {"allgather_partitions", "allgather_bucket_size", "reduce_scatter",
+                          "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save",
+                          "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters",
+                          "elastic_checkpoint", "zero_hpz_partition_size", "zero_quantized_weights",
+                          "zero_quantized_gradients", "cpu_offload", "load_from_fp32_weights",
+                          "memory_efficient_linear", "stage3_module_granularity_threshold", "mics_shard_size",
+                          "log_trace_cache_warnings", "offload_param_nvme_path"},
+    "fp16": {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"},
+    "bf16": {"immediate_grad_update", "check_grad_overflow"},
+    "aio": {"use_gds"},
+    "optimizer.params": {"torch_adam", "fused"},
+    "zero_optimization.offload_optimizer": {"max_in_cpu"},
+}
