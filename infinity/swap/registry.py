@@ -1,0 +1,140 @@
+"""Registry: every parameter and optimizer partition, its home tier, and where it is right now.
+
+[Note: residency transitions]
+A partition whose home is NVMe moves ON_DISK -> READING -> IN_CPU -> WRITING
+-> ON_DISK. A transition is a method that asserts the state it leaves and
+sets the new state last, so a failed read or write leaves the partition in a
+state that says what is true. Only IN_CPU and the in-flight states hold a
+pool buffer; who holds it is the partition (`buffer`), and only the
+transition that ends the holding (finish_write, or drop) gives it back.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Tier(enum.Enum):
+    """Where a partition lives when it is not in use."""
+
+    DEVICE = "device"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class Residency(enum.Enum):
+    """Where a partition's bytes are right now, and what that costs."""
+
+    ON_DISK = "on_disk"
+    """Only in its swap file; costs no host memory."""
+    READING = "reading"
+    """A read into a pool buffer is in flight; costs one pool buffer."""
+    IN_CPU = "in_cpu"
+    """In a pool buffer, current; costs one pool buffer."""
+    WRITING = "writing"
+    """A write from its pool buffer is in flight; costs one pool buffer until it finishes."""
+    RESIDENT = "resident"
+    """Home is CPU or device: always in memory outside the pool."""
+
+
+@dataclass(eq=False)
+class Partition:
+    """One flat partition of a parameter or of optimizer state."""
+
+    id: str
+    dtype: torch.dtype
+    numel: int
+    owner_rank: int
+    home: Tier
+    residency: Residency = Residency.ON_DISK
+    buffer: object = None  # the PoolBuffer while READING/IN_CPU/WRITING
+    swapped_bytes: int = field(default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+    def _move(self, expected: tuple, new: Residency) -> None:
+        if self.residency not in expected:
+            want = " or ".join(r.name for r in expected)
+            raise RuntimeError(f"partition {self.id}: cannot go to {new.name} from {self.residency.name} "
+                               f"(expected {want}); see [Note: residency transitions]")
+        self.residency = new
+
+    def begin_read(self, buffer) -> None:
+        self._move((Residency.ON_DISK,), Residency.READING)
+        self.buffer = buffer
+
+    def finish_read(self) -> None:
+        self._move((Residency.READING,), Residency.IN_CPU)
+
+    def fail_read(self):
+        """The read failed: back to ON_DISK (the file is unchanged); returns the buffer to release."""
+        self._move((Residency.READING,), Residency.ON_DISK)
+        buf, self.buffer = self.buffer, None
+        return buf
+
+    def begin_write(self, buffer=None) -> None:
+        """Start writing from `buffer` (or the one already held, when IN_CPU)."""
+        self._move((Residency.IN_CPU, Residency.ON_DISK), Residency.WRITING)
+        if buffer is not None:
+            self.buffer = buffer
+
+    def finish_write(self):
+        """The write is durable enough to drop the bytes: ON_DISK; returns the buffer to release."""
+        self._move((Residency.WRITING,), Residency.ON_DISK)
+        self.swapped_bytes = self.nbytes
+        buf, self.buffer = self.buffer, None
+        return buf
+
+    def fail_write(self) -> None:
+        """The write failed: the bytes are still valid in the buffer, so IN_CPU."""
+        self._move((Residency.WRITING,), Residency.IN_CPU)
+
+    def drop(self):
+        """Forget the in-memory copy of a clean partition (the file is current); returns the buffer."""
+        self._move((Residency.IN_CPU,), Residency.ON_DISK)
+        buf, self.buffer = self.buffer, None
+        return buf
+
+
+class Registry:
+    """All partitions, by id. Thread-safe for registration and lookup."""
+
+    def __init__(self):
+        self._parts: dict[str, Partition] = {}
+        self._lock = threading.Lock()
+
+    def register(self, id: str, *, dtype: torch.dtype, numel: int, owner_rank: int = 0,
+                 home: Tier = Tier.NVME) -> Partition:
+        if not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"Registry.register: numel must be an int >= 0, got {numel!r} (partition {id})")
+        part = Partition(id=id, dtype=dtype, numel=numel, owner_rank=owner_rank, home=home,
+                         residency=Residency.ON_DISK if home is Tier.NVME else Residency.RESIDENT)
+        with self._lock:
+            if id in self._parts:
+                raise ValueError(f"Registry.register: partition {id!r} is already registered")
+            self._parts[id] = part
+        return part
+
+    def __getitem__(self, id: str) -> Partition:
+        try:
+            return self._parts[id]
+        except KeyError:
+            raise KeyError(f"no partition {id!r} is registered") from None
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def __iter__(self):
+        return iter(list(self._parts.values()))
+
+    def count_by_residency(self) -> dict[Residency, int]:
+        out = {r: 0 for r in Residency}
+        for p in self:
+            out[p.residency] += 1
+        return out

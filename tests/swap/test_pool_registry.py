@@ -1,0 +1,156 @@
+"""The pool never exceeds its budget, never leaks, and residency transitions are asserted."""
+
+import random
+import threading
+
+import pytest
+import torch
+
+from infinity.swap import BufferPool, PoolExhausted, Registry, Residency, Tier
+
+
+def test_pool_buffers_are_aligned_and_disjoint():
+    pool = BufferPool(4, 10_000, pin=False)
+    ptrs = sorted(b.tensor.data_ptr() for b in pool._buffers)
+    assert all(p % 4096 == 0 for p in ptrs)
+    assert all(b - a >= 10_000 for a, b in zip(ptrs, ptrs[1:]))
+    assert pool.nbytes == 4 * 12_288
+
+
+def test_pool_accounting_after_10000_random_concurrent_swaps():
+    pool = BufferPool(3, 4096, pin=False)
+    over, errors = [], []
+    live = [0]
+    lock = threading.Lock()
+
+    def worker(seed):
+        rng = random.Random(seed)
+        held = []
+        try:
+            for _ in range(2500):
+                if held and (rng.random() < 0.5 or len(held) == 2):
+                    buf = held.pop(rng.randrange(len(held)))
+                    buf.tensor[0] = seed  # the buffer is ours until released
+                    with lock:
+                        live[0] -= 1
+                    pool.release(buf)
+                else:
+                    # Only a thread holding nothing may block (the critical path); one that already
+                    # holds a buffer only takes a free one (a prefetcher). That rule is what makes the
+                    # pool deadlock-free: every blocked thread holds nothing.
+                    blocking = not held and rng.random() < 0.5
+                    buf = pool.acquire(f"w{seed}", timeout=30) if blocking else pool.try_acquire(f"w{seed}")
+                    if buf is None:
+                        continue
+                    with lock:
+                        live[0] += 1
+                        if live[0] > pool.count:
+                            over.append(live[0])
+                    held.append(buf)
+            for buf in held:
+                with lock:
+                    live[0] -= 1
+                pool.release(buf)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert not over, "more buffers out than the pool has"
+    assert pool.free_count == pool.count and pool.in_use == 0
+    assert pool.acquired_total > 1000 and pool.peak_in_use <= pool.count
+    assert len({id(b) for b in pool._free}) == pool.count, "a buffer was lost or duplicated"
+
+
+def test_acquire_waits_for_a_release():
+    pool = BufferPool(1, 4096, pin=False)
+    first = pool.acquire("a")
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire("b", timeout=30)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not got, "acquire must wait while the pool is empty"
+    first.release()
+    t.join(30)
+    assert got and got[0] is first
+
+
+def test_exhausted_pool_names_the_holders():
+    pool = BufferPool(2, 4096, pin=False)
+    pool.acquire("prefetch:layer3")
+    pool.acquire("optimizer:group0")
+    assert pool.try_acquire("x") is None
+    with pytest.raises(PoolExhausted) as ei:
+        pool.acquire("me", timeout=0.05)
+    assert str(ei.value) == ("BufferPool: all 2 buffers of 4096 B are in use after waiting 0.05 s (held by: "
+                             "optimizer:group0, prefetch:layer3); raise buffer_count or release buffers sooner")
+
+
+def test_double_and_foreign_release():
+    a, b = BufferPool(1, 4096, pin=False), BufferPool(1, 4096, pin=False)
+    buf = a.acquire()
+    a.release(buf)
+    with pytest.raises(ValueError, match="buffer #0 was released twice"):
+        a.release(buf)
+    with pytest.raises(ValueError, match="does not belong to this pool"):
+        b.release(a.acquire())
+
+
+def test_borrow_releases_on_error():
+    pool = BufferPool(1, 4096, pin=False)
+    with pytest.raises(RuntimeError):
+        with pool.borrow("x"):
+            raise RuntimeError("boom")
+    assert pool.free_count == 1
+
+
+def test_typed_view_and_size_check():
+    pool = BufferPool(1, 4096, pin=False)
+    with pool.borrow() as buf:
+        v = buf.view(torch.float32, 1024)
+        assert v.numel() == 1024 and v.data_ptr() == buf.tensor.data_ptr()
+        with pytest.raises(ValueError, match="1025 x torch.float32 needs 4100 bytes but pool buffers have 4096"):
+            buf.view(torch.float32, 1025)
+
+
+@pytest.mark.parametrize("count,size", [(0, 10), (1, 0), (True, 10)])
+def test_bad_pool_arguments(count, size):
+    with pytest.raises(ValueError, match="BufferPool: (count|size) must be an int >= 1"):
+        BufferPool(count, size, pin=False)
+
+
+def test_residency_life_cycle_and_asserted_transitions():
+    reg = Registry()
+    p = reg.register("layer0.weight/exp_avg", dtype=torch.float32, numel=1000, owner_rank=1, home=Tier.NVME)
+    assert p.residency is Residency.ON_DISK and p.nbytes == 4000
+    pool = BufferPool(1, 4096, pin=False)
+    buf = pool.acquire(p.id)
+    p.begin_read(buf)
+    with pytest.raises(RuntimeError, match=r"partition layer0.weight/exp_avg: cannot go to WRITING from READING "
+                                           r"\(expected IN_CPU or ON_DISK\)"):
+        p.begin_write()
+    p.finish_read()
+    p.begin_write()
+    p.fail_write()
+    assert p.residency is Residency.IN_CPU and p.buffer is buf, "a failed write keeps the bytes"
+    p.begin_write()
+    pool.release(p.finish_write())
+    assert p.residency is Residency.ON_DISK and p.buffer is None and pool.free_count == 1
+    with pytest.raises(RuntimeError, match="cannot go to IN_CPU from ON_DISK"):
+        p.finish_read()
+
+
+def test_registry_bookkeeping():
+    reg = Registry()
+    reg.register("a", dtype=torch.bfloat16, numel=10)
+    reg.register("b", dtype=torch.float32, numel=10, home=Tier.CPU)
+    with pytest.raises(ValueError, match="partition 'a' is already registered"):
+        reg.register("a", dtype=torch.float32, numel=1)
+    with pytest.raises(KeyError, match="no partition 'zz' is registered"):
+        reg["zz"]
+    counts = reg.count_by_residency()
+    assert counts[Residency.ON_DISK] == 1 and counts[Residency.RESIDENT] == 1 and len(reg) == 2
