@@ -12,6 +12,6 @@ _warn_if_missing()
 
 from infinity import io  # noqa: E402
 from infinity.config import load_config  # noqa: E402
-from infinity.errors import ConfigError  # noqa: E402
+from infinity.errors import ConfigError, SwapCorruptionError  # noqa: E402
 
-__all__ = ["io", "load_config", "ConfigError", "__version__"]
+__all__ = ["io", "load_config", "ConfigError", "SwapCorruptionError", "__version__"]

@@ -9,3 +9,19 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str):
         self.key = key
         super().__init__(f"{key}: {message}" if key else message)
+
+
+class SwapCorruptionError(OSError):
+    """A swap file's bytes do not match the checksum recorded when they were written.
+
+    Carries errno EIO, `filename`, `partition`, `expected` and `actual` (CRC-32C values).
+    """
+
+    def __init__(self, path: str, partition: str, expected: int, actual: int):
+        import errno
+
+        super().__init__(errno.EIO, f"swap file of partition {partition!r} is corrupted: CRC-32C is {actual:#010x}, "
+                                    f"{expected:#010x} was written", path)
+        self.partition = partition
+        self.expected = expected
+        self.actual = actual

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "cpu/adam.hpp"
+#include "cpu/crc32c.hpp"
 #include "cpu/parallel.hpp"
 #include "cpu/simd.hpp"
 #include "io/engine.hpp"
@@ -238,6 +239,15 @@ PYBIND11_MODULE(_native, m) {
                                                   reinterpret_cast<uint16_t*>(lowp), n, repeats);
       },
       "Seconds for `repeats` sweeps with Adam's memory traffic (the roofline reference).");
+  m.def(
+      "crc32c",
+      [](uintptr_t ptr, size_t n, uint32_t seed, bool portable) {
+        py::gil_scoped_release nogil;
+        const void* p = reinterpret_cast<const void*>(ptr);
+        return portable ? infinity::cpu::crc32c_portable(p, n, seed) : infinity::cpu::crc32c(p, n, seed);
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0, py::arg("portable") = false,
+      "CRC-32C of nbytes at ptr (hardware when available; portable=True forces the table).");
   m.def("set_num_threads", &infinity::cpu::set_num_threads, "Threads for CPU kernels; < 1 means all cores.");
   m.def("get_num_threads", &infinity::cpu::num_threads);
   m.def("simd_level", [] { return std::string(infinity::cpu::simd_name(infinity::cpu::active_simd())); });

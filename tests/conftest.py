@@ -1,4 +1,7 @@
 import os
+import shutil
+import subprocess
+import time
 
 import pytest
 
@@ -44,3 +47,31 @@ def disk_dir(tmp_path):
 
 def pytest_report_header(config):
     return f"infinity backends: {BACKENDS}; native: {'yes' if native else 'no'}; pid {os.getpid()}"
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 4 MiB ext4 filesystem on a loop device, so that ENOSPC is real."""
+    if os.geteuid() != 0:
+        pytest.skip("ENOSPC test needs root to loop-mount a small ext4 image")
+    if not shutil.which("mkfs.ext4"):
+        pytest.skip("ENOSPC test needs mkfs.ext4 (e2fsprogs)")
+    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(4 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True, capture_output=True)
+    mounted = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount an ext4 image here: {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        # io_uring tears rings down asynchronously and may hold file
+        # references for a moment after close, so umount can say EBUSY.
+        for _ in range(50):
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)

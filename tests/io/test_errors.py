@@ -144,34 +144,6 @@ def test_close_waits_for_requests_in_flight(backend, disk_dir):
     assert (disk_dir / "c.bin").read_bytes() == src.tobytes()
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A 4 MiB ext4 filesystem on a loop device, so that ENOSPC is real."""
-    if os.geteuid() != 0:
-        pytest.skip("ENOSPC test needs root to loop-mount a small ext4 image")
-    if not shutil.which("mkfs.ext4"):
-        pytest.skip("ENOSPC test needs mkfs.ext4 (e2fsprogs)")
-    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
-    mnt.mkdir()
-    with open(img, "wb") as f:
-        f.truncate(4 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True, capture_output=True)
-    mounted = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot loop-mount an ext4 image here: {mounted.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        # io_uring tears rings down asynchronously and may hold file
-        # references for a moment after close, so umount can say EBUSY.
-        for _ in range(50):
-            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.1)
-        else:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_no_space_left(backend, tiny_fs):
     path = tiny_fs / "big.bin"
     src = np.ones(8 << 20, np.uint8)

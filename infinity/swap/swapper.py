@@ -1,0 +1,342 @@
+"""TensorSwapper: moves registered partitions between pool buffers and swap files.
+
+On-disk layout (one file per partition, `<nvme_path>/infinity-swap/rank<R>/<name>.swp`):
+  bytes [0, 4096)      header: UTF-8 JSON, padded with spaces: {"magic": "infinity-swap", "version": 1,
+                       "id": ..., "dtype": "float32", "numel": N, "nbytes": B, "crc32c": C or null}
+  bytes [4096, 4096+B) the partition's raw little-endian bytes (C-order), B = numel x element size
+The directory also holds `owner.pid`. A directory whose owner is dead holds
+leftovers of a crashed run: `leftovers="clear"` removes them, `"reuse"`
+registers every file whose header parses (its checksum is verified on first
+read), `"error"` refuses to start. A clean close removes the directory.
+
+[Note: who releases a swap-out buffer]
+A swap-out hands its pool buffer to the write. The swapper's reaper thread
+waits for the write and then, on success, returns the buffer to the pool
+(ON_DISK); on failure it keeps the bytes in the buffer (IN_CPU) and the
+error is raised by the future. So buffers come back without anyone waiting,
+and a caller that holds one buffer may block for another: pending writes
+finish on their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import re
+import shutil
+import threading
+import warnings
+
+import torch
+
+from infinity.errors import SwapCorruptionError
+from infinity.io import AsyncIO, aligned_empty
+from infinity.swap.checksum import crc32c
+from infinity.swap.pool import BufferPool
+from infinity.swap.registry import Partition, Registry, Residency, Tier
+
+HEADER = 4096
+_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                                     torch.int64, torch.int32, torch.uint8)}
+
+
+class SwapFuture:
+    """The outcome of a swap_in (a tensor view in a pool buffer) or swap_out (None)."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._value = None
+        self._error: BaseException | None = None
+
+    def _set(self, value=None, error: BaseException | None = None):
+        self._value, self._error = value, error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None):
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"swap not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class TensorSwapper:
+    """Swap partitions in and out of files under `directory`, through `pool`."""
+
+    def __init__(self, directory, pool: BufferPool, aio: AsyncIO | None = None, *, rank: int = 0,
+                 checksums: bool = True, leftovers: str = "clear", registry: Registry | None = None):
+        if leftovers not in ("clear", "reuse", "error"):
+            raise ValueError(f"TensorSwapper: leftovers must be clear, reuse or error, got {leftovers!r}")
+        self.pool = pool
+        self.aio = aio or AsyncIO()
+        self._own_aio = aio is None
+        self.registry = registry or Registry()
+        self.checksums = checksums
+        self.dir = os.path.join(os.fspath(directory), "infinity-swap", f"rank{rank}")
+        self.rank = rank
+        self._crc: dict[str, int | None] = {}
+        self._lock = threading.Lock()
+        self.leftovers_found = self._claim_directory(leftovers)
+        self._reaps: queue.Queue = queue.Queue()
+        self._reaper = threading.Thread(target=self._reap_loop, name="infinity-swap-reaper", daemon=True)
+        self._reaper.start()
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self._closed = False
+
+    # ------------------------------------------------------------ directory
+
+    def _claim_directory(self, policy: str) -> int:
+        os.makedirs(self.dir, exist_ok=True)
+        pid_file = os.path.join(self.dir, "owner.pid")
+        found = [f for f in os.listdir(self.dir) if f.endswith(".swp")]
+        if os.path.exists(pid_file):
+            try:
+                owner = int(open(pid_file).read().strip() or "0")
+            except ValueError:
+                owner = 0
+            if owner and owner != os.getpid() and _alive(owner):
+                raise RuntimeError(f"TensorSwapper: {self.dir} is in use by running process {owner}; "
+                                   "give each job its own nvme_path")
+        if found:
+            if policy == "error":
+                raise RuntimeError(f"TensorSwapper: {self.dir} holds {len(found)} swap files from a crashed run; "
+                                   'remove them, or set infinity.leftovers to "clear" or "reuse"')
+            if policy == "clear":
+                for f in found:
+                    os.unlink(os.path.join(self.dir, f))
+                warnings.warn(f"infinity: removed {len(found)} swap files left in {self.dir} by a crashed run",
+                              stacklevel=3)
+            else:
+                reused = sum(self._adopt(os.path.join(self.dir, f)) for f in found)
+                warnings.warn(f"infinity: reusing {reused} of {len(found)} swap files left in {self.dir}",
+                              stacklevel=3)
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+        return len(found)
+
+    def _adopt(self, path: str) -> bool:
+        try:
+            with open(path, "rb") as f:
+                head = json.loads(f.read(HEADER).decode("utf-8"))
+            if head.get("magic") != "infinity-swap" or head.get("dtype") not in _DTYPES:
+                return False
+            self.registry.register(head["id"], dtype=_DTYPES[head["dtype"]], numel=int(head["numel"]),
+                                   owner_rank=self.rank, home=Tier.NVME)
+            self._crc[head["id"]] = head.get("crc32c")
+            return True
+        except (OSError, ValueError, KeyError):
+            return False
+
+    def path_of(self, part_id: str) -> str:
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", part_id)[:80]
+        digest = hashlib.sha1(part_id.encode()).hexdigest()[:8]
+        return os.path.join(self.dir, f"{safe}-{digest}.swp")
+
+    # ------------------------------------------------------------ swap out
+
+    def swap_out(self, part_id: str, tensor: torch.Tensor) -> SwapFuture:
+        """Write `tensor` as partition `part_id`; its pool buffer returns when the write lands.
+
+        If the partition is IN_CPU and `tensor` is its buffer's view (modified
+        in place after swap_in), no copy is made.
+        """
+        self._check_open()
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"swap_out({part_id!r}): needs a contiguous CPU tensor")
+        part = self._partition_for(part_id, tensor)
+        with self._lock:
+            if part.residency is Residency.IN_CPU:
+                buf = part.buffer
+                view = buf.view(part.dtype, part.numel)
+                if tensor.data_ptr() != view.data_ptr():
+                    view.copy_(tensor.reshape(-1))
+            elif part.residency is Residency.ON_DISK:
+                buf = None
+            else:
+                raise RuntimeError(f"swap_out({part_id!r}): partition is {part.residency.name}; wait for its "
+                                   "pending swap first")
+        if buf is None:
+            buf = self.pool.acquire(owner=f"swap_out:{part_id}")
+            buf.view(part.dtype, part.numel).copy_(tensor.reshape(-1))
+        crc = crc32c(buf.tensor, part.nbytes) if self.checksums else None
+        path = self.path_of(part_id)
+        header = _header(part, crc)
+        with self._lock:
+            part.begin_write(buf)
+        try:
+            futs = [self.aio.pwrite(buf.tensor, path, HEADER, nbytes=part.nbytes),
+                    self.aio.pwrite(header, path, 0)]
+        except BaseException:
+            with self._lock:
+                part.fail_write()
+            raise
+        out = SwapFuture()
+        self._reaps.put(("out", part, futs, crc, out))
+        return out
+
+    def _partition_for(self, part_id: str, tensor: torch.Tensor) -> Partition:
+        try:
+            part = self.registry[part_id]
+        except KeyError:
+            return self.registry.register(part_id, dtype=tensor.dtype, numel=tensor.numel(), owner_rank=self.rank)
+        if part.dtype != tensor.dtype or part.numel != tensor.numel():
+            raise ValueError(f"swap_out({part_id!r}): registered as {part.numel} x {part.dtype}, got "
+                             f"{tensor.numel()} x {tensor.dtype}")
+        return part
+
+    # ------------------------------------------------------------- swap in
+
+    def swap_in(self, part_id: str, *, prefetch: bool = False) -> SwapFuture | None:
+        """Start reading a partition into a pool buffer; the future gives a typed view of it.
+
+        With prefetch=True it never waits for a buffer: it returns None when
+        the pool has none free (see BufferPool).
+        """
+        self._check_open()
+        part = self.registry[part_id]
+        with self._lock:
+            if part.residency is Residency.IN_CPU:
+                done = SwapFuture()
+                done._set(part.buffer.view(part.dtype, part.numel))
+                return done
+            if part.residency is not Residency.ON_DISK:
+                raise RuntimeError(f"swap_in({part_id!r}): partition is {part.residency.name}; wait for its "
+                                   "pending swap first")
+        owner = f"swap_in:{part_id}"
+        buf = self.pool.try_acquire(owner) if prefetch else self.pool.acquire(owner)
+        if buf is None:
+            return None
+        with self._lock:
+            part.begin_read(buf)
+        try:
+            fut = self.aio.pread(buf.tensor, self.path_of(part_id), HEADER, nbytes=part.nbytes)
+        except BaseException:
+            with self._lock:
+                self.pool.release(part.fail_read())
+            raise
+        out = SwapFuture()
+        self._reaps.put(("in", part, [fut], None, out))
+        return out
+
+    def release(self, part_id: str) -> None:
+        """Drop the in-memory copy of a partition whose file is current; its buffer goes back to the pool."""
+        part = self.registry[part_id]
+        with self._lock:
+            buf = part.drop()
+        self.pool.release(buf)
+
+    # ------------------------------------------------------------- reaping
+
+    def _reap_loop(self) -> None:
+        while True:
+            item = self._reaps.get()
+            if item is None:
+                return
+            kind, part, futs, crc, out = item
+            if kind == "barrier":
+                out._set()
+                continue
+            error = None
+            for fut in futs:
+                try:
+                    fut.wait()
+                except OSError as exc:
+                    error = error or exc
+            if kind == "out":
+                self._finish_out(part, crc, error, out)
+            else:
+                self._finish_in(part, error, out)
+
+    def _finish_out(self, part: Partition, crc, error, out: SwapFuture) -> None:
+        with self._lock:
+            if error is None:
+                self._crc[part.id] = crc
+                buf = part.finish_write()
+                self.bytes_written += part.nbytes
+            else:
+                part.fail_write()  # the bytes are still good in the buffer
+                buf = None
+        if buf is not None:
+            self.pool.release(buf)
+        out._set(None, error)
+
+    def _finish_in(self, part: Partition, error, out: SwapFuture) -> None:
+        buf = part.buffer
+        if error is None and self.checksums and self._crc.get(part.id) is not None:
+            actual = crc32c(buf.tensor, part.nbytes)
+            if actual != self._crc[part.id]:
+                error = SwapCorruptionError(self.path_of(part.id), part.id, self._crc[part.id], actual)
+        with self._lock:
+            if error is None:
+                part.finish_read()
+                self.bytes_read += part.nbytes
+                value = buf.view(part.dtype, part.numel)
+            else:
+                self.pool.release(part.fail_read())
+                value = None
+        out._set(value, error)
+
+    # ------------------------------------------------------------ lifetime
+
+    def flush(self) -> None:
+        """Wait until every swap started so far has finished (errors stay with their futures)."""
+        marker = SwapFuture()
+        self._reaps.put(("barrier", None, [], None, marker))  # the reaper works in order
+        marker._done.wait()
+
+    def close(self) -> None:
+        """Finish pending swaps, stop the reaper and remove this rank's swap files."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._reaps.put(None)
+        self._reaper.join()
+        if self._own_aio:
+            self.aio.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(self.dir))  # infinity-swap/, if no other rank is using it
+        except OSError:
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("TensorSwapper is closed")
+
+    def __enter__(self) -> "TensorSwapper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _header(part: Partition, crc) -> torch.Tensor:
+    text = json.dumps({"magic": "infinity-swap", "version": 1, "id": part.id,
+                       "dtype": str(part.dtype).replace("torch.", ""), "numel": part.numel, "nbytes": part.nbytes,
+                       "crc32c": crc}).encode()
+    if len(text) > HEADER:
+        raise ValueError(f"partition id {part.id!r} is too long for the swap-file header")
+    buf = aligned_empty(HEADER, pin=False)
+    buf.fill_(ord(" "))
+    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return buf
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+__all__ = ["TensorSwapper", "SwapFuture", "HEADER"]

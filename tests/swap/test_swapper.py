@@ -1,0 +1,189 @@
+"""TensorSwapper: round trips, the pool bound, leftovers, corruption, ENOSPC."""
+
+import errno
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from infinity import SwapCorruptionError
+from infinity.swap import BufferPool, Residency, TensorSwapper
+from infinity.swap.swapper import HEADER
+
+
+@pytest.fixture
+def swapper(disk_dir):
+    sw = TensorSwapper(disk_dir, BufferPool(4, 1 << 20, pin=False))
+    yield sw
+    sw.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+@pytest.mark.parametrize("numel", [1, 1023, 4096, 100_003])
+def test_round_trip(swapper, dtype, numel):
+    t = (torch.randn(numel) * 100).to(dtype)
+    swapper.swap_out("p", t).wait()
+    assert swapper.registry["p"].residency is Residency.ON_DISK and swapper.pool.free_count == 4
+    back = swapper.swap_in("p").wait()
+    assert back.dtype == dtype and torch.equal(back, t)
+    swapper.release("p")
+    assert swapper.pool.free_count == 4
+
+
+def test_file_layout_matches_the_spec(swapper):
+    t = torch.arange(10, dtype=torch.float32)
+    swapper.swap_out("layer.0/weight", t).wait()
+    path = swapper.path_of("layer.0/weight")
+    raw = open(path, "rb").read()
+    head = json.loads(raw[:HEADER].decode())
+    assert head == {"magic": "infinity-swap", "version": 1, "id": "layer.0/weight", "dtype": "float32",
+                    "numel": 10, "nbytes": 40, "crc32c": head["crc32c"]}
+    assert raw[HEADER:] == t.numpy().tobytes() and isinstance(head["crc32c"], int)
+
+
+def test_in_place_update_is_written_without_a_copy(swapper):
+    swapper.swap_out("m", torch.zeros(1000)).wait()
+    view = swapper.swap_in("m").wait()
+    view.add_(1)
+    swapper.swap_out("m", view).wait()
+    assert torch.equal(swapper.swap_in("m").wait(), torch.ones(1000))
+
+
+def test_shape_mismatch(swapper):
+    swapper.swap_out("a", torch.zeros(10)).wait()
+    with pytest.raises(ValueError, match=r"swap_out\('a'\): registered as 10 x torch.float32, got 11 x torch.float32"):
+        swapper.swap_out("a", torch.zeros(11))
+
+
+def test_pool_bound_under_random_concurrent_swaps(disk_dir):
+    pool = BufferPool(3, 64 << 10, pin=False)
+    with TensorSwapper(disk_dir, pool) as sw:
+        data = {f"p{i}": torch.randn(random.Random(i).randrange(1, 16000)) for i in range(12)}
+        for k, v in data.items():
+            sw.swap_out(k, v).wait()
+        errors = []
+
+        def worker(seed):
+            rng = random.Random(seed)
+            try:
+                for _ in range(60):
+                    k = f"p{rng.randrange(0, 12, 1) // 4 * 4 + seed}"  # each thread owns its partitions
+                    view = sw.swap_in(k).wait()
+                    assert torch.equal(view, data[k])
+                    assert pool.in_use <= pool.count
+                    if rng.random() < 0.5:
+                        sw.release(k)
+                    else:
+                        sw.swap_out(k, view).wait()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert pool.peak_in_use <= pool.count
+        for k in data:
+            if sw.registry[k].residency is Residency.IN_CPU:
+                sw.release(k)
+        assert pool.free_count == pool.count
+
+
+def test_corruption_is_detected(swapper):
+    t = torch.randn(5000)
+    swapper.swap_out("w", t).wait()
+    path = swapper.path_of("w")
+    with open(path, "r+b") as f:
+        f.seek(HEADER + 1234)
+        byte = f.read(1)
+        f.seek(HEADER + 1234)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(SwapCorruptionError) as ei:
+        swapper.swap_in("w").wait()
+    e = ei.value
+    assert e.errno == errno.EIO and e.filename == path and e.partition == "w"
+    assert "swap file of partition 'w' is corrupted: CRC-32C is 0x" in str(e)
+    assert swapper.registry["w"].residency is Residency.ON_DISK and swapper.pool.free_count == 4
+
+
+def test_clean_close_removes_files(disk_dir):
+    sw = TensorSwapper(disk_dir, BufferPool(2, 4096, pin=False))
+    sw.swap_out("x", torch.zeros(10)).wait()
+    sw.close()
+    assert not (disk_dir / "infinity-swap").exists()
+
+
+_CRASH = """
+import os, sys, torch
+from infinity.swap import BufferPool, TensorSwapper
+sw = TensorSwapper(sys.argv[1], BufferPool(2, 1 << 16, pin=False))
+sw.swap_out("opt/g0", torch.arange(1000, dtype=torch.float32)).wait()
+sw.swap_out("opt/g1", torch.ones(10, dtype=torch.bfloat16)).wait()
+os._exit(0)  # dies without close(): the files stay
+"""
+
+
+@pytest.fixture
+def crashed_dir(disk_dir):
+    out = subprocess.run([sys.executable, "-c", _CRASH, str(disk_dir)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return disk_dir
+
+
+def test_leftovers_cleared_and_reported(crashed_dir):
+    with pytest.warns(UserWarning, match="removed 2 swap files left in .* by a crashed run"):
+        sw = TensorSwapper(crashed_dir, BufferPool(2, 4096, pin=False))
+    assert sw.leftovers_found == 2 and len(sw.registry) == 0
+    sw.close()
+
+
+def test_leftovers_reused(crashed_dir):
+    with pytest.warns(UserWarning, match="reusing 2 of 2 swap files"):
+        sw = TensorSwapper(crashed_dir, BufferPool(2, 1 << 16, pin=False), leftovers="reuse")
+    assert torch.equal(sw.swap_in("opt/g0").wait(), torch.arange(1000, dtype=torch.float32))
+    assert sw.registry["opt/g1"].dtype == torch.bfloat16
+    sw.close()
+
+
+def test_leftovers_refused(crashed_dir):
+    with pytest.raises(RuntimeError, match=r"holds 2 swap files from a crashed run; remove them, or set "
+                                           r"infinity.leftovers to \"clear\" or \"reuse\""):
+        TensorSwapper(crashed_dir, BufferPool(2, 4096, pin=False), leftovers="error")
+
+
+def test_directory_in_use_by_a_live_process(disk_dir):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        d = disk_dir / "infinity-swap" / "rank0"
+        d.mkdir(parents=True)
+        (d / "owner.pid").write_text(str(holder.pid))
+        with pytest.raises(RuntimeError, match=f"is in use by running process {holder.pid}"):
+            TensorSwapper(disk_dir, BufferPool(1, 4096, pin=False))
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_enospc_mid_swap_out_keeps_the_partition_in_memory(tiny_fs):
+    pool = BufferPool(1, 8 << 20, pin=False)
+    sw = TensorSwapper(tiny_fs, pool)
+    t = torch.randn(2 << 20)  # 8 MiB > the 4 MiB filesystem
+    fut = sw.swap_out("big", t)
+    with pytest.raises(OSError) as ei:
+        fut.wait(60)
+    assert ei.value.errno == errno.ENOSPC and ei.value.filename == sw.path_of("big")
+    part = sw.registry["big"]
+    assert part.residency is Residency.IN_CPU, "a failed write must keep the bytes"
+    assert torch.equal(part.buffer.view(torch.float32, t.numel()), t)
+    assert torch.equal(sw.swap_in("big").wait(), t)
+    os.unlink(sw.path_of("big"))
+    sw.release("big")
+    sw.close()
