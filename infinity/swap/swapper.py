@@ -27,6 +27,7 @@ import queue
 import re
 import shutil
 import threading
+import time
 import warnings
 
 import torch
@@ -45,13 +46,17 @@ _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat
 class SwapFuture:
     """The outcome of a swap_in (a tensor view in a pool buffer) or swap_out (None)."""
 
-    def __init__(self):
+    def __init__(self, label: str = ""):
         self._done = threading.Event()
         self._value = None
         self._error: BaseException | None = None
+        self.label = label
+        self.t_submit = time.perf_counter()  # for telemetry: the I/O span is [t_submit, t_done]
+        self.t_done = None
 
     def _set(self, value=None, error: BaseException | None = None):
         self._value, self._error = value, error
+        self.t_done = time.perf_counter()
         self._done.set()
 
     def done(self) -> bool:
@@ -149,7 +154,7 @@ class TensorSwapper:
         self._check_open()
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError(f"swap_out({part_id!r}): needs a contiguous CPU tensor")
-        part = self._partition_for(part_id, tensor)
+        part = self._partition_for(part_id, tensor.dtype, tensor.numel())
         with self._lock:
             if part.residency is Residency.IN_CPU:
                 buf = part.buffer
@@ -164,6 +169,21 @@ class TensorSwapper:
         if buf is None:
             buf = self.pool.acquire(owner=f"swap_out:{part_id}")
             buf.view(part.dtype, part.numel).copy_(tensor.reshape(-1))
+        return self._write(part, buf)
+
+    def swap_out_buffer(self, part_id: str, buf, dtype: torch.dtype, numel: int) -> SwapFuture:
+        """Write the first numel `dtype` values of a pool buffer the caller holds; the swapper takes it over.
+
+        This is how state is first written without a second buffer.
+        """
+        self._check_open()
+        part = self._partition_for(part_id, dtype, numel)
+        if part.residency is not Residency.ON_DISK:
+            raise RuntimeError(f"swap_out_buffer({part_id!r}): partition is {part.residency.name}")
+        return self._write(part, buf)
+
+    def _write(self, part: Partition, buf) -> SwapFuture:
+        part_id = part.id
         crc = crc32c(buf.tensor, part.nbytes) if self.checksums else None
         path = self.path_of(part_id)
         header = _header(part, crc)
@@ -176,18 +196,18 @@ class TensorSwapper:
             with self._lock:
                 part.fail_write()
             raise
-        out = SwapFuture()
+        out = SwapFuture(f"write {part_id}")
         self._reaps.put(("out", part, futs, crc, out))
         return out
 
-    def _partition_for(self, part_id: str, tensor: torch.Tensor) -> Partition:
+    def _partition_for(self, part_id: str, dtype: torch.dtype, numel: int) -> Partition:
         try:
             part = self.registry[part_id]
         except KeyError:
-            return self.registry.register(part_id, dtype=tensor.dtype, numel=tensor.numel(), owner_rank=self.rank)
-        if part.dtype != tensor.dtype or part.numel != tensor.numel():
+            return self.registry.register(part_id, dtype=dtype, numel=numel, owner_rank=self.rank)
+        if part.dtype != dtype or part.numel != numel:
             raise ValueError(f"swap_out({part_id!r}): registered as {part.numel} x {part.dtype}, got "
-                             f"{tensor.numel()} x {tensor.dtype}")
+                             f"{numel} x {dtype}")
         return part
 
     # ------------------------------------------------------------- swap in
@@ -220,7 +240,7 @@ class TensorSwapper:
             with self._lock:
                 self.pool.release(part.fail_read())
             raise
-        out = SwapFuture()
+        out = SwapFuture(f"read {part_id}")
         self._reaps.put(("in", part, [fut], None, out))
         return out
 

@@ -1,0 +1,105 @@
+"""OptimizerSwapper: Adam state of NVMe-resident sub-groups, stepped as read(i+1) || Adam(i) || write(i-1).
+
+Each sub-group is one partition of 3n fp32 values, [param | exp_avg |
+exp_avg_sq], so a group moves in one read and one write and fits one pool
+buffer (12 bytes per parameter). The step thread prefetches the next group
+with a non-blocking acquire, runs the CPU Adam kernel on the current one in
+its buffer, and hands that buffer to the write; the swapper's reaper
+returns it when the write lands (see [Note: who releases a swap-out buffer]).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from infinity.optim import cpu_adam_step
+from infinity.swap.swapper import TensorSwapper
+from infinity.swap.telemetry import StepStats, Trace
+
+
+class OptimizerSwapper:
+    def __init__(self, swapper: TensorSwapper, numels: list[int], *, name: str = "opt", trace: Trace | None = None):
+        need = 12 * max(numels)
+        if need > swapper.pool.size:
+            raise ValueError(f"OptimizerSwapper: the largest sub-group ({max(numels)} parameters) needs {need} B "
+                             f"per pool buffer, the pool has {swapper.pool.size} B; raise the buffer size or lower "
+                             "zero_optimization.sub_group_size")
+        self.swapper = swapper
+        self.numels = list(numels)
+        self.ids = [f"{name}/g{i}" for i in range(len(numels))]
+        self.trace = trace
+
+    def initialize(self, index: int, param: torch.Tensor) -> None:
+        """Write a group's starting state: the fp32 weights and zero moments."""
+        n = self.numels[index]
+        if param.numel() != n:
+            raise ValueError(f"OptimizerSwapper.initialize: group {index} has {n} parameters, got {param.numel()}")
+        buf = self.swapper.pool.acquire(f"init {self.ids[index]}")
+        state = buf.view(torch.float32, 3 * n)
+        state[:n].copy_(param.reshape(-1))
+        state[n:].zero_()
+        self.swapper.swap_out_buffer(self.ids[index], buf, torch.float32, 3 * n).wait()
+
+    def read_state(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of (param, exp_avg, exp_avg_sq) of one group (for checkpoints and tests)."""
+        n = self.numels[index]
+        view = self.swapper.swap_in(self.ids[index]).wait()
+        out = view[:n].clone(), view[n:2 * n].clone(), view[2 * n:].clone()
+        self.swapper.release(self.ids[index])
+        return out
+
+    def step(self, grads: list[torch.Tensor], *, step: int, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+             weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True, grad_scale: float = 1.0,
+             out_lowp: list[torch.Tensor] | None = None, check_finite: bool = True) -> StepStats:
+        """One Adam step over every group. With check_finite, an inf/nan in any gradient skips all groups."""
+        if len(grads) != len(self.numels):
+            raise ValueError(f"OptimizerSwapper.step: {len(self.numels)} groups but {len(grads)} gradients")
+        stats = StepStats()
+        t_start = time.perf_counter()
+        if check_finite and any(not bool(torch.isfinite(g.float() if g.dtype != torch.float32 else g).all())
+                                for g in grads):
+            # The skip must be global: no group may step if any overflowed.
+            stats.skipped = True
+            return stats
+        sw = self.swapper
+        reads = {0: sw.swap_in(self.ids[0])}
+        writes = []
+        for i, n in enumerate(self.numels):
+            if i + 1 < len(self.numels) and i + 1 not in reads:
+                ahead = sw.swap_in(self.ids[i + 1], prefetch=True)  # never blocks: see BufferPool
+                if ahead is not None:
+                    reads[i + 1] = ahead
+            t0 = time.perf_counter()
+            fut = reads.pop(i)
+            state = fut.wait()
+            t1 = time.perf_counter()
+            stats.io_wait_s += t1 - t0
+            cpu_adam_step(state[:n], grads[i], state[n:2 * n], state[2 * n:], step=step, lr=lr, betas=betas,
+                          eps=eps, weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction,
+                          grad_scale=grad_scale, out_lowp=None if out_lowp is None else out_lowp[i],
+                          check_finite=False)
+            t2 = time.perf_counter()
+            stats.compute_s += t2 - t1
+            writes.append(sw.swap_out(self.ids[i], state))
+            self._span(fut, "io", 1)
+            self._span_at(f"adam {self.ids[i]}", "compute", t1, t2, 0)
+            if i + 1 < len(self.numels) and i + 1 not in reads:
+                reads[i + 1] = sw.swap_in(self.ids[i + 1])  # holds nothing now, so it may wait
+        t0 = time.perf_counter()
+        for w in writes:
+            w.wait()
+            self._span(w, "io", 2)
+        stats.io_wait_s += time.perf_counter() - t0
+        stats.bytes_read = stats.bytes_written = 12 * sum(self.numels)
+        stats.wall_s = time.perf_counter() - t_start
+        return stats
+
+    def _span(self, fut, cat, track):
+        if self.trace is not None and fut.t_done is not None:
+            self.trace.add(fut.label, cat, fut.t_submit, fut.t_done, track)
+
+    def _span_at(self, name, cat, start, end, track):
+        if self.trace is not None:
+            self.trace.add(name, cat, start, end, track)
