@@ -1,4 +1,4 @@
-"""The `infinity` command: info, bench io, bench adam."""
+"""The `infinity` command: info, bench io, bench adam, bench swap."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     from infinity.bench import adam as bench_adam
 
     bench_adam.add_arguments(bsub.add_parser("adam", help="CPU Adam params/s beside torch.optim.AdamW"))
+    from infinity.bench import swap as bench_swap
+
+    bench_swap.add_arguments(bsub.add_parser("swap", help="NVMe-offloaded optimizer step vs the I/O lower bound"))
     return p
 
 
@@ -48,6 +51,10 @@ def _dispatch(args) -> int:
         from infinity.bench import adam as bench_adam
 
         return bench_adam.run(args)
+    if args.cmd == "bench" and args.what == "swap":
+        from infinity.bench import swap as bench_swap
+
+        return bench_swap.run(args)
     return 2
 
 

@@ -231,6 +231,16 @@ PYBIND11_MODULE(_native, m) {
       },
       "Raw-pointer CPU Adam step (validated by infinity.optim.cpu_adam_step); True if skipped for inf/nan.");
   m.def(
+      "any_nonfinite",
+      [](uintptr_t grad, const std::string& dtype, size_t n, double grad_scale) {
+        infinity::cpu::Dtype dt = dtype_from(dtype, "grad");
+        infinity::cpu::SimdLevel level = infinity::cpu::active_simd();
+        py::gil_scoped_release nogil;
+        return infinity::cpu::any_nonfinite(reinterpret_cast<const void*>(grad), dt, n,
+                                            static_cast<float>(1.0 / grad_scale), level);
+      },
+      "True if any grad / grad_scale is inf or nan (read-only, multithreaded).");
+  m.def(
       "stream_adam_traffic",
       [](uintptr_t p, uintptr_t g, uintptr_t mm, uintptr_t v, uintptr_t lowp, size_t n, int repeats) {
         py::gil_scoped_release nogil;

@@ -94,3 +94,14 @@ def test_bench_adam_bad_sizes():
     out = subprocess.run(INFINITY + ["bench", "adam", "--sizes", "ten"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "--sizes: cannot read 'TEN' as a parameter count; write e.g. 10M or 1000000" in out.stderr
+
+
+def test_bench_swap_smoke_json(tmp_path):
+    row = json.loads(run("bench", "swap", "--dir", str(tmp_path), "--numel", "200K", "--sub-group", "50K",
+                         "--steps", "2", "--json").strip().splitlines()[-1])
+    assert row["numel"] == 200_000 and row["io_bytes"] == 2 * 12 * 200_000
+    assert row["step_s"] > 0 and row["inram_step_s"] > 0 and row["pool_bytes"] >= 3 * 12 * 50_000
+    assert row["peak_rss_bytes"] > row["pool_bytes"]
+    if shutil.which("fio"):
+        assert row["io_bound_s"] > 0 and row["ratio"] == pytest.approx(row["step_s"] / row["io_bound_s"])
+    assert not (tmp_path / "infinity-swap").exists(), "a clean close removes the swap files"

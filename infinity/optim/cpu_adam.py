@@ -105,6 +105,24 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         _LOWP_DTYPES[out_lowp.dtype] if out_lowp is not None else "", bool(check_finite), "auto")
 
 
+def grads_finite(grads, grad_scale: float = 1.0) -> bool:
+    """True when every gradient / grad_scale is finite: the global check before a skippable step.
+
+    A read-only sweep with no temporaries (torch.isfinite would allocate a
+    bool tensor per gradient, and a fp32 copy of each bf16/fp16 one).
+    """
+    for g in grads:
+        _check_tensor("grad", g, tuple(_GRAD_DTYPES), None)
+        if g.numel() == 0:
+            continue
+        if native is None:
+            if not bool(torch.isfinite(g.float() * (1.0 / grad_scale)).all()):
+                return False
+        elif native.any_nonfinite(g.data_ptr(), _GRAD_DTYPES[g.dtype], g.numel(), float(grad_scale)):
+            return False
+    return True
+
+
 def _reference_step(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, adamw,
                     bias_correction, grad_scale, out_lowp, check_finite) -> bool:
     """Torch-op fallback for builds without the extension (same math, several passes)."""

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from infinity.optim import cpu_adam_step
+from infinity.optim import cpu_adam_step, grads_finite
 from infinity.swap.swapper import TensorSwapper
 from infinity.swap.telemetry import StepStats, Trace
 
@@ -58,8 +58,7 @@ class OptimizerSwapper:
             raise ValueError(f"OptimizerSwapper.step: {len(self.numels)} groups but {len(grads)} gradients")
         stats = StepStats()
         t_start = time.perf_counter()
-        if check_finite and any(not bool(torch.isfinite(g.float() if g.dtype != torch.float32 else g).all())
-                                for g in grads):
+        if check_finite and not grads_finite(grads, grad_scale):
             # The skip must be global: no group may step if any overflowed.
             stats.skipped = True
             return stats

@@ -80,28 +80,34 @@ bool nonfinite_scalar(const void* grad, Dtype dt, float inv_scale, size_t lo, si
   return false;
 }
 
+bool any_nonfinite(const void* grad, Dtype dt, size_t n, float inv_scale, SimdLevel level) {
+  auto scan = nonfinite_scalar;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (level == SimdLevel::kAvx512) scan = nonfinite_avx512;
+  if (level == SimdLevel::kAvx2) scan = nonfinite_avx2;
+#else
+  (void)level;
+#endif
+  std::atomic<bool> found{false};
+  parallel_for(n, kAlign, kMinPerThread, [&](size_t lo, size_t hi) {
+    for (size_t t = lo; t < hi && !found.load(std::memory_order_relaxed); t += kTile)
+      if (scan(grad, dt, inv_scale, t, std::min(hi, t + kTile))) found.store(true);
+  });
+  return found.load();
+}
+
 bool adam_step(const AdamArgs& a, SimdLevel level) {
   if (a.n == 0) return false;
   const AdamScalars s = adam_scalars(a);
   auto update = adam_range_scalar;
-  auto scan = nonfinite_scalar;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (level == SimdLevel::kAvx512) update = adam_range_avx512, scan = nonfinite_avx512;
-  if (level == SimdLevel::kAvx2) update = adam_range_avx2, scan = nonfinite_avx2;
-#else
-  (void)level;  // detected_simd() is always scalar here
+  if (level == SimdLevel::kAvx512) update = adam_range_avx512;
+  if (level == SimdLevel::kAvx2) update = adam_range_avx2;
 #endif
-  if (a.check_finite) {
-    // "Leave every buffer untouched" needs the verdict before the first
-    // write, so the check is its own read-only sweep over the gradients
-    // (2-4 of the ~30 bytes an element moves); the state is touched once.
-    std::atomic<bool> found{false};
-    parallel_for(a.n, kAlign, kMinPerThread, [&](size_t lo, size_t hi) {
-      for (size_t t = lo; t < hi && !found.load(std::memory_order_relaxed); t += kTile)
-        if (scan(a.grad, a.grad_dtype, s.inv_scale, t, std::min(hi, t + kTile))) found.store(true);
-    });
-    if (found.load()) return true;
-  }
+  // "Leave every buffer untouched" needs the verdict before the first
+  // write, so the check is its own read-only sweep over the gradients
+  // (2-4 of the ~30 bytes an element moves); the state is touched once.
+  if (a.check_finite && any_nonfinite(a.grad, a.grad_dtype, a.n, s.inv_scale, level)) return true;
   parallel_for(a.n, kAlign, kMinPerThread, [&](size_t lo, size_t hi) { update(a, s, lo, hi); });
   return false;
 }

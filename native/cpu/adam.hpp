@@ -46,6 +46,9 @@ struct AdamScalars {
 
 AdamScalars adam_scalars(const AdamArgs& a);
 
+// True when any grad[i] * inv_scale is inf/nan; a read-only parallel sweep.
+bool any_nonfinite(const void* grad, Dtype dt, size_t n, float inv_scale, SimdLevel level);
+
 // Runs one step. Returns true when a gradient was inf/nan after unscaling:
 // then no buffer was written (needs check_finite). `level` picks the code path.
 bool adam_step(const AdamArgs& a, SimdLevel level);

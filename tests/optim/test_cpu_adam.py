@@ -265,3 +265,13 @@ def test_state_dict_moves_between_cpu_adam_and_adamw():
     back.load_state_dict(copy.deepcopy(mine.state_dict()))  # CPUAdam -> AdamW
     sd = back.state_dict()["state"][0]
     assert set(sd) == {"step", "exp_avg", "exp_avg_sq"} and float(sd["step"]) == 10.0
+
+
+def test_grads_finite():
+    from infinity.optim import grads_finite
+
+    gs = [torch.randn(100_003), torch.randn(7).to(torch.bfloat16), torch.zeros(0)]
+    assert grads_finite(gs)
+    gs[1][3] = math.inf
+    assert not grads_finite(gs)
+    assert not grads_finite([torch.full((10,), 1e30)], grad_scale=1e-20)  # overflow after unscaling
