@@ -8,6 +8,7 @@ buffer pool and the I/O handle (`pool.BufferPool`, `infinity.io.AsyncIO`).
 from infinity.swap.pool import BufferPool, PoolBuffer, PoolExhausted
 from infinity.swap.registry import Partition, Registry, Residency, Tier
 from infinity.swap.swapper import SwapFuture, TensorSwapper
+from infinity.swap.context import SwapContext  # noqa: E402 - after the swapper it builds
 
 __all__ = ["BufferPool", "PoolBuffer", "PoolExhausted", "Partition", "Registry", "Residency", "Tier",
-           "SwapFuture", "TensorSwapper"]
+           "SwapFuture", "TensorSwapper", "SwapContext"]

@@ -58,3 +58,22 @@ def test_buffer_too_small_says_what_fits(disk_dir):
         with pytest.raises(ValueError, match=r"the largest sub-group \(100 parameters\) needs 1200 B per pool "
                                              r"buffer, the pool has 1000 B"):
             OptimizerSwapper(sw, [100])
+
+
+def test_swap_context_from_a_shipped_config(disk_dir):
+    import pathlib
+
+    from infinity import load_config
+    from infinity.swap import SwapContext
+
+    cfg = load_config(pathlib.Path(__file__).resolve().parents[2] / "swap_configs" / "nvme_offload.json",
+                      nvme_path=disk_dir)
+    with SwapContext(cfg, largest_group_numel=1000) as ctx:
+        assert ctx.pool.count == cfg.zero_optimization.offload_optimizer.buffer_count == 4
+        assert ctx.pool.size == 12 * 1000 and ctx.io.queue_depth == 32
+        opt = OptimizerSwapper(ctx.swapper, [1000, 500])
+        opt.initialize(0, torch.ones(1000))
+        opt.initialize(1, torch.ones(500))
+        assert not opt.step([torch.ones(1000), torch.ones(500)], step=1, lr=0.1).skipped
+        assert (disk_dir / "infinity-swap" / "rank0").is_dir()
+    assert not (disk_dir / "infinity-swap").exists()
