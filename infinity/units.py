@@ -24,3 +24,13 @@ def format_size(n: int) -> str:
         if n >= scale and n % scale == 0:
             return f"{n // scale}{unit}"
     return f"{n}B"
+
+
+def parse_count(text: str, *, name: str = "count") -> int:
+    """Parse a parameter count: '250M' -> 250_000_000 (K/M/G/B are powers of 1000)."""
+    t = str(text).strip().upper()
+    scale = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "B": 10 ** 9}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise ValueError(f"{name}: cannot read {t!r} as a parameter count; write e.g. 10M or 1000000") from None

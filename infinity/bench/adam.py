@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from infinity._native_loader import native
-from infinity.units import parse_size
+from infinity.units import parse_count
 
 LEVELS = ("avx512", "avx2", "scalar")
 
@@ -170,19 +170,10 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
-def _count(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "B": 10 ** 9}.get(text[-1:], 1)
-    try:
-        return int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
-        raise ValueError(f"--sizes: cannot read {text!r} as a parameter count; write e.g. 10M or 1000000") from None
-
-
 def run(args) -> int:
     if native is None:
         raise SystemExit("bench adam: needs the native extension (make build)")
-    sizes = [_count(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = [parse_count(s, name="--sizes") for s in args.sizes.split(",") if s.strip()]
     if args.repeats < 1:
         raise SystemExit("bench adam: --repeats must be >= 1")
     if args.threads > 0:

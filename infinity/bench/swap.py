@@ -26,7 +26,7 @@ from infinity.optim import cpu_adam_step
 from infinity.swap import BufferPool, TensorSwapper
 from infinity.swap.optimizer import OptimizerSwapper
 from infinity.swap.telemetry import Trace
-from infinity.units import parse_size
+from infinity.units import parse_count, parse_size
 
 
 def _rss() -> int:
@@ -71,17 +71,8 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _count(text: str) -> int:
-    t = text.strip().upper()
-    scale = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "B": 10 ** 9}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if scale > 1 else t) * scale)
-    except ValueError:
-        raise ValueError(f"cannot read {text!r} as a parameter count; write e.g. 250M") from None
-
-
 def run(args) -> int:
-    numel, group = _count(args.numel), _count(args.sub_group)
+    numel, group = parse_count(args.numel, name="--numel"), parse_count(args.sub_group, name="--sub-group")
     if numel < 1 or group < 1:
         raise SystemExit("bench swap: --numel and --sub-group must be >= 1")
     if not os.path.isdir(args.dir):
