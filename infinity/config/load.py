@@ -6,6 +6,7 @@ and says how to fix it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -63,11 +64,12 @@ def _read(source):
 
 
 def _override_nvme(raw: dict, path: str) -> dict:
-    raw = json.loads(json.dumps(raw))  # deep copy; the caller's dict stays as it was
+    raw = copy.deepcopy(raw)  # the caller's dict stays as it was
     zero = raw.get("zero_optimization")
     if isinstance(zero, dict):
         for section in ("offload_param", "offload_optimizer"):
-            if isinstance(zero.get(section), dict) and zero[section].get("device") == "nvme":
+            device = zero.get(section, {}).get("device") if isinstance(zero.get(section), dict) else None
+            if isinstance(device, str) and device.lower() == "nvme":
                 zero[section]["nvme_path"] = path
     return raw
 

@@ -53,7 +53,12 @@ class OptimizerSwapper:
     def step(self, grads: list[torch.Tensor], *, step: int, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
              weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True, grad_scale: float = 1.0,
              out_lowp: list[torch.Tensor] | None = None, check_finite: bool = True) -> StepStats:
-        """One Adam step over every group. With check_finite, an inf/nan in any gradient skips all groups."""
+        """One Adam step over every group. With check_finite, an inf/nan in any gradient skips all groups.
+
+        If anything raises mid-step, every buffer goes back to the pool and
+        every group is left ON_DISK: groups already written hold the new
+        state, the others the old one (the exception says which failed).
+        """
         if len(grads) != len(self.numels):
             raise ValueError(f"OptimizerSwapper.step: {len(self.numels)} groups but {len(grads)} gradients")
         stats = StepStats()
@@ -62,30 +67,43 @@ class OptimizerSwapper:
             # The skip must be global: no group may step if any overflowed.
             stats.skipped = True
             return stats
+        hyper = dict(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                     bias_correction=bias_correction, grad_scale=grad_scale, check_finite=False)
         sw = self.swapper
-        reads = {0: sw.swap_in(self.ids[0])}
-        writes = []
-        for i, n in enumerate(self.numels):
-            if i + 1 < len(self.numels) and i + 1 not in reads:
-                ahead = sw.swap_in(self.ids[i + 1], prefetch=True)  # never blocks: see BufferPool
-                if ahead is not None:
-                    reads[i + 1] = ahead
-            t0 = time.perf_counter()
-            fut = reads.pop(i)
-            state = fut.wait()
-            t1 = time.perf_counter()
-            stats.io_wait_s += t1 - t0
-            cpu_adam_step(state[:n], grads[i], state[n:2 * n], state[2 * n:], step=step, lr=lr, betas=betas,
-                          eps=eps, weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction,
-                          grad_scale=grad_scale, out_lowp=None if out_lowp is None else out_lowp[i],
-                          check_finite=False)
-            t2 = time.perf_counter()
-            stats.compute_s += t2 - t1
-            writes.append(sw.swap_out(self.ids[i], state))
-            self._span(fut, "io", 1)
-            self._span_at(f"adam {self.ids[i]}", "compute", t1, t2, 0)
-            if i + 1 < len(self.numels) and i + 1 not in reads:
-                reads[i + 1] = sw.swap_in(self.ids[i + 1])  # holds nothing now, so it may wait
+        reads: dict = {}
+        writes: list = []
+        try:
+            reads[0] = sw.swap_in(self.ids[0])
+            for i, n in enumerate(self.numels):
+                if i + 1 < len(self.numels) and i + 1 not in reads:
+                    ahead = sw.swap_in(self.ids[i + 1], prefetch=True)  # never blocks: see BufferPool
+                    if ahead is not None:
+                        reads[i + 1] = ahead
+                t0 = time.perf_counter()
+                fut = reads.pop(i)
+                try:
+                    state = fut.wait()
+                except BaseException:
+                    reads[i] = fut  # so that _abandon sees it
+                    raise
+                t1 = time.perf_counter()
+                stats.io_wait_s += t1 - t0
+                try:
+                    cpu_adam_step(state[:n], grads[i], state[n:2 * n], state[2 * n:],
+                                  out_lowp=None if out_lowp is None else out_lowp[i], **hyper)
+                except BaseException:
+                    sw.release(self.ids[i])  # its file still holds the state from before this step
+                    raise
+                t2 = time.perf_counter()
+                stats.compute_s += t2 - t1
+                writes.append(sw.swap_out(self.ids[i], state))
+                self._span(fut, "io", 1)
+                self._span_at(f"adam {self.ids[i]}", "compute", t1, t2, 0)
+                if i + 1 < len(self.numels) and i + 1 not in reads:
+                    reads[i + 1] = sw.swap_in(self.ids[i + 1])  # holds nothing now, so it may wait
+        except BaseException:
+            self._abandon(reads, writes)
+            raise
         t0 = time.perf_counter()
         for w in writes:
             w.wait()
@@ -94,6 +112,21 @@ class OptimizerSwapper:
         stats.bytes_read = stats.bytes_written = 12 * sum(self.numels)
         stats.wall_s = time.perf_counter() - t_start
         return stats
+
+    def _abandon(self, reads: dict, writes: list) -> None:
+        """After a failure: let in-flight swaps finish and hand every buffer back."""
+        sw = self.swapper
+        for w in writes:
+            try:
+                w.wait()
+            except BaseException:  # noqa: BLE001 - the first error is the one being raised
+                pass
+        for i, fut in reads.items():
+            try:
+                fut.wait()
+                sw.release(self.ids[i])
+            except BaseException:  # noqa: BLE001
+                pass
 
     def _span(self, fut, cat, track):
         if self.trace is not None and fut.t_done is not None:

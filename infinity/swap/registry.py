@@ -53,6 +53,7 @@ class Partition:
     residency: Residency = Residency.ON_DISK
     buffer: object = None  # the PoolBuffer while READING/IN_CPU/WRITING
     swapped_bytes: int = field(default=0)
+    dirty: bool = False  # IN_CPU bytes newer than the file (a write failed)
 
     @property
     def nbytes(self) -> int:
@@ -88,16 +89,25 @@ class Partition:
         """The write is durable enough to drop the bytes: ON_DISK; returns the buffer to release."""
         self._move((Residency.WRITING,), Residency.ON_DISK)
         self.swapped_bytes = self.nbytes
+        self.dirty = False
         buf, self.buffer = self.buffer, None
         return buf
 
     def fail_write(self) -> None:
-        """The write failed: the bytes are still valid in the buffer, so IN_CPU."""
+        """The write failed: the bytes are still valid in the buffer, so IN_CPU, and newer than the file."""
         self._move((Residency.WRITING,), Residency.IN_CPU)
+        self.dirty = True
 
-    def drop(self):
-        """Forget the in-memory copy of a clean partition (the file is current); returns the buffer."""
+    def drop(self, *, discard: bool = False):
+        """Forget the in-memory copy of a clean partition (the file is current); returns the buffer.
+
+        A dirty partition (its last write failed) refuses, unless `discard`.
+        """
+        if self.dirty and not discard:
+            raise RuntimeError(f"partition {self.id}: its in-memory bytes were never written (the last write "
+                               "failed); swap_out again, or release with discard=True to lose them")
         self._move((Residency.IN_CPU,), Residency.ON_DISK)
+        self.dirty = False
         buf, self.buffer = self.buffer, None
         return buf
 

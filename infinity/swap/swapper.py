@@ -39,6 +39,8 @@ from infinity.swap.pool import BufferPool
 from infinity.swap.registry import Partition, Registry, Residency, Tier
 
 HEADER = 4096
+_CLAIMED: set = set()  # rank directories claimed by swappers of this process
+_CLAIMED_LOCK = threading.Lock()
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                                      torch.int64, torch.int32, torch.uint8)}
 
@@ -86,7 +88,12 @@ class TensorSwapper:
         self.rank = rank
         self._crc: dict[str, int | None] = {}
         self._lock = threading.Lock()
-        self.leftovers_found = self._claim_directory(leftovers)
+        self._claim_key = None
+        try:
+            self.leftovers_found = self._claim_directory(leftovers)
+        except BaseException:
+            self._unclaim()
+            raise
         self._reaps: queue.Queue = queue.Queue()
         self._reaper = threading.Thread(target=self._reap_loop, name="infinity-swap-reaper", daemon=True)
         self._reaper.start()
@@ -97,6 +104,13 @@ class TensorSwapper:
     # ------------------------------------------------------------ directory
 
     def _claim_directory(self, policy: str) -> int:
+        key = os.path.realpath(self.dir)
+        with _CLAIMED_LOCK:
+            if key in _CLAIMED:
+                raise RuntimeError(f"TensorSwapper: {self.dir} is already used by another swapper in this process; "
+                                   "give each one its own directory or rank")
+            _CLAIMED.add(key)
+        self._claim_key = key
         os.makedirs(self.dir, exist_ok=True)
         pid_file = os.path.join(self.dir, "owner.pid")
         found = [f for f in os.listdir(self.dir) if f.endswith(".swp")]
@@ -125,6 +139,10 @@ class TensorSwapper:
             f.write(str(os.getpid()))
         return len(found)
 
+    def _unclaim(self) -> None:
+        with _CLAIMED_LOCK:
+            _CLAIMED.discard(self._claim_key)
+
     def _adopt(self, path: str) -> bool:
         try:
             with open(path, "rb") as f:
@@ -135,8 +153,8 @@ class TensorSwapper:
                                    owner_rank=self.rank, home=Tier.NVME)
             self._crc[head["id"]] = head.get("crc32c")
             return True
-        except (OSError, ValueError, KeyError):
-            return False
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False  # not one of ours, or torn: left for a later run's "clear"
 
     def path_of(self, part_id: str) -> str:
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", part_id)[:80]
@@ -157,46 +175,51 @@ class TensorSwapper:
         part = self._partition_for(part_id, tensor.dtype, tensor.numel())
         with self._lock:
             if part.residency is Residency.IN_CPU:
+                # The write starts under the same lock as the check, so no
+                # release() can slip in between (see [Note: residency transitions]).
                 buf = part.buffer
                 view = buf.view(part.dtype, part.numel)
                 if tensor.data_ptr() != view.data_ptr():
                     view.copy_(tensor.reshape(-1))
-            elif part.residency is Residency.ON_DISK:
-                buf = None
-            else:
+                part.begin_write()
+                return self._write(part, buf)
+            if part.residency is not Residency.ON_DISK:
                 raise RuntimeError(f"swap_out({part_id!r}): partition is {part.residency.name}; wait for its "
                                    "pending swap first")
-        if buf is None:
-            buf = self.pool.acquire(owner=f"swap_out:{part_id}")
+        buf = self.pool.acquire(owner=f"swap_out:{part_id}")
+        try:
             buf.view(part.dtype, part.numel).copy_(tensor.reshape(-1))
+            with self._lock:
+                part.begin_write(buf)  # raises if another thread got there first
+        except BaseException:
+            self.pool.release(buf)
+            raise
         return self._write(part, buf)
 
     def swap_out_buffer(self, part_id: str, buf, dtype: torch.dtype, numel: int) -> SwapFuture:
         """Write the first numel `dtype` values of a pool buffer the caller holds; the swapper takes it over.
 
-        This is how state is first written without a second buffer.
+        This is how state is first written without a second buffer. On an
+        argument error the buffer stays the caller's.
         """
         self._check_open()
         part = self._partition_for(part_id, dtype, numel)
-        if part.residency is not Residency.ON_DISK:
-            raise RuntimeError(f"swap_out_buffer({part_id!r}): partition is {part.residency.name}")
+        with self._lock:
+            part.begin_write(buf)  # asserts ON_DISK or IN_CPU
         return self._write(part, buf)
 
     def _write(self, part: Partition, buf) -> SwapFuture:
-        part_id = part.id
-        crc = crc32c(buf.tensor, part.nbytes) if self.checksums else None
-        path = self.path_of(part_id)
-        header = _header(part, crc)
-        with self._lock:
-            part.begin_write(buf)
+        """Submit the write of a partition already in WRITING; on failure it goes back to IN_CPU."""
         try:
-            futs = [self.aio.pwrite(buf.tensor, path, HEADER, nbytes=part.nbytes),
-                    self.aio.pwrite(header, path, 0)]
+            crc = crc32c(buf.tensor, part.nbytes) if self.checksums else None
+            path = self.path_of(part.id)
+            futs = [self.aio.pwrite(buf.tensor, path, HEADER, nbytes=part.nbytes)]
+            futs.append(self.aio.pwrite(_header(part, crc), path, 0))
         except BaseException:
             with self._lock:
                 part.fail_write()
             raise
-        out = SwapFuture(f"write {part_id}")
+        out = SwapFuture(f"write {part.id}")
         self._reaps.put(("out", part, futs, crc, out))
         return out
 
@@ -232,8 +255,18 @@ class TensorSwapper:
         buf = self.pool.try_acquire(owner) if prefetch else self.pool.acquire(owner)
         if buf is None:
             return None
-        with self._lock:
-            part.begin_read(buf)
+        try:
+            with self._lock:
+                if part.residency is Residency.IN_CPU:  # another thread read it meanwhile
+                    self.pool.release(buf)
+                    done = SwapFuture()
+                    done._set(part.buffer.view(part.dtype, part.numel))
+                    return done
+                part.begin_read(buf)  # raises unless ON_DISK
+        except BaseException:
+            if buf.owner is not None and part.buffer is not buf:
+                self.pool.release(buf)
+            raise
         try:
             fut = self.aio.pread(buf.tensor, self.path_of(part_id), HEADER, nbytes=part.nbytes)
         except BaseException:
@@ -244,11 +277,14 @@ class TensorSwapper:
         self._reaps.put(("in", part, [fut], None, out))
         return out
 
-    def release(self, part_id: str) -> None:
-        """Drop the in-memory copy of a partition whose file is current; its buffer goes back to the pool."""
+    def release(self, part_id: str, *, discard: bool = False) -> None:
+        """Drop the in-memory copy of a partition whose file is current; its buffer goes back to the pool.
+
+        Refused for a partition whose last write failed, unless discard=True.
+        """
         part = self.registry[part_id]
         with self._lock:
-            buf = part.drop()
+            buf = part.drop(discard=discard)
         self.pool.release(buf)
 
     # ------------------------------------------------------------- reaping
@@ -266,12 +302,16 @@ class TensorSwapper:
             for fut in futs:
                 try:
                     fut.wait()
-                except OSError as exc:
+                except BaseException as exc:  # noqa: BLE001 - the reaper must never die
                     error = error or exc
-            if kind == "out":
-                self._finish_out(part, crc, error, out)
-            else:
-                self._finish_in(part, error, out)
+            try:
+                if kind == "out":
+                    self._finish_out(part, crc, error, out)
+                else:
+                    self._finish_in(part, error, out)
+            except BaseException as exc:  # noqa: BLE001
+                if not out.done():
+                    out._set(None, exc)
 
     def _finish_out(self, part: Partition, crc, error, out: SwapFuture) -> None:
         with self._lock:
@@ -289,9 +329,12 @@ class TensorSwapper:
     def _finish_in(self, part: Partition, error, out: SwapFuture) -> None:
         buf = part.buffer
         if error is None and self.checksums and self._crc.get(part.id) is not None:
-            actual = crc32c(buf.tensor, part.nbytes)
-            if actual != self._crc[part.id]:
-                error = SwapCorruptionError(self.path_of(part.id), part.id, self._crc[part.id], actual)
+            try:
+                actual = crc32c(buf.tensor, part.nbytes)
+                if actual != self._crc[part.id]:
+                    error = SwapCorruptionError(self.path_of(part.id), part.id, self._crc[part.id], actual)
+            except BaseException as exc:  # noqa: BLE001 - still end the read below
+                error = exc
         with self._lock:
             if error is None:
                 part.finish_read()
@@ -306,6 +349,8 @@ class TensorSwapper:
 
     def flush(self) -> None:
         """Wait until every swap started so far has finished (errors stay with their futures)."""
+        if not self._reaper.is_alive():
+            raise RuntimeError("TensorSwapper: the swapper is closed; nothing to flush")
         marker = SwapFuture()
         self._reaps.put(("barrier", None, [], None, marker))  # the reaper works in order
         marker._done.wait()
@@ -321,6 +366,7 @@ class TensorSwapper:
         if self._own_aio:
             self.aio.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+        self._unclaim()
         try:
             os.rmdir(os.path.dirname(self.dir))  # infinity-swap/, if no other rank is using it
         except OSError:

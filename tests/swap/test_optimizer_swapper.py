@@ -77,3 +77,20 @@ def test_swap_context_from_a_shipped_config(disk_dir):
         assert not opt.step([torch.ones(1000), torch.ones(500)], step=1, lr=0.1).skipped
         assert (disk_dir / "infinity-swap" / "rank0").is_dir()
     assert not (disk_dir / "infinity-swap").exists()
+
+
+def test_a_failure_mid_step_returns_every_buffer(disk_dir):
+    with TensorSwapper(disk_dir, BufferPool(3, 12 * 1000, pin=False)) as sw:
+        opt = OptimizerSwapper(sw, [1000, 1000, 1000])
+        for i in range(3):
+            opt.initialize(i, torch.ones(1000))
+        bad = [torch.ones(1000), torch.ones(999), torch.ones(1000)]  # group 1's gradient has the wrong length
+        with pytest.raises(ValueError, match="grad has 999 elements but param has 1000"):
+            opt.step(bad, step=1, lr=0.1)
+        sw.flush()
+        assert sw.pool.free_count == 3
+        assert all(sw.registry[i].residency.name == "ON_DISK" for i in opt.ids)
+        assert not torch.equal(opt.read_state(0)[0], torch.ones(1000)), "group 0 was stepped and written"
+        assert torch.equal(opt.read_state(1)[0], torch.ones(1000)), "group 1 keeps its old state"
+        good = [torch.ones(1000)] * 3
+        assert not opt.step(good, step=2, lr=0.1).skipped  # the swapper is still usable

@@ -184,6 +184,38 @@ def test_enospc_mid_swap_out_keeps_the_partition_in_memory(tiny_fs):
     assert part.residency is Residency.IN_CPU, "a failed write must keep the bytes"
     assert torch.equal(part.buffer.view(torch.float32, t.numel()), t)
     assert torch.equal(sw.swap_in("big").wait(), t)
+    with pytest.raises(RuntimeError, match="partition big: its in-memory bytes were never written"):
+        sw.release("big")  # the file is not current: dropping would lose the data
     os.unlink(sw.path_of("big"))
-    sw.release("big")
+    sw.release("big", discard=True)
     sw.close()
+
+
+def test_two_swappers_of_one_process_cannot_share_a_directory(disk_dir):
+    with TensorSwapper(disk_dir, BufferPool(1, 4096, pin=False)):
+        with pytest.raises(RuntimeError, match="is already used by another swapper in this process"):
+            TensorSwapper(disk_dir, BufferPool(1, 4096, pin=False))
+    TensorSwapper(disk_dir, BufferPool(1, 4096, pin=False)).close()  # free again after close
+
+
+def test_concurrent_swap_in_of_one_partition_shares_the_buffer(swapper):
+    swapper.swap_out("s", torch.arange(100.0)).wait()
+    results, refused = [], []
+
+    def reader():
+        try:
+            results.append(swapper.swap_in("s"))
+        except RuntimeError as exc:  # a caller that raced a read in flight is told to wait
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results and all("wait for its pending swap first" in r for r in refused)
+    views = [fut.wait() for fut in results]
+    swapper.flush()
+    assert all(torch.equal(v, torch.arange(100.0)) for v in views)
+    swapper.release("s")
+    assert swapper.pool.free_count == swapper.pool.count, "no buffer may leak from racing swap_ins"
