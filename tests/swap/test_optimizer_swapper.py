@@ -94,3 +94,15 @@ def test_a_failure_mid_step_returns_every_buffer(disk_dir):
         assert torch.equal(opt.read_state(1)[0], torch.ones(1000)), "group 1 keeps its old state"
         good = [torch.ones(1000)] * 3
         assert not opt.step(good, step=2, lr=0.1).skipped  # the swapper is still usable
+
+
+def test_swap_context_respects_the_memory_budget(disk_dir):
+    from infinity import ConfigError, load_config
+    from infinity.swap import SwapContext
+
+    cfg = load_config({"zero_optimization": {"stage": 3, "sub_group_size": 100_000_000, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(disk_dir), "buffer_count": 4}}, "infinity": {"memory_budget": "1GiB"}})
+    with pytest.raises(ConfigError, match=r"zero_optimization.offload_optimizer.buffer_count: 4 buffers x 12 B x "
+                                          r"100000000 parameters = 4.47 GiB exceeds infinity.memory_budget "
+                                          r"\(1.00 GiB\)"):
+        SwapContext(cfg)
