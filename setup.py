@@ -9,7 +9,6 @@ the pure-Python I/O backend with one warning.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig

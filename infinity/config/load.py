@@ -187,11 +187,7 @@ def _choice(value: str, meta, where: str) -> str:
     for c in choices:
         if value.lower() == c.lower():
             return c
-    return _raise(where, f"must be one of {', '.join(choices)}, got {json.dumps(value)}")
-
-
-def _raise(where: str, message: str):
-    raise ConfigError(where, message)
+    raise ConfigError(where, f"must be one of {', '.join(choices)}, got {json.dumps(value)}")
 
 
 def _betas(value, where: str) -> tuple:

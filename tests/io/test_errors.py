@@ -2,11 +2,9 @@
 
 import errno
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest

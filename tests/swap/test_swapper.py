@@ -7,7 +7,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
