@@ -1,8 +1,10 @@
-"""SwapContext: the third layer. It owns the buffer pool, the I/O handle and the swapper of one rank.
+"""SwapContext: the third layer. It owns the buffer pool, the I/O handle and the swapper of one kind of state.
 
 It exists so that the engine builds all three from a config in one place,
 and closes them in the right order (swapper first: it waits for pending
-writes that use the handle and the pool).
+writes that use the handle and the pool). One rank has up to two: the
+parameter shards (`for_params`) and the optimizer state (`for_optimizer`),
+each with its own pool, so neither can starve the other.
 """
 
 from __future__ import annotations
@@ -17,9 +19,24 @@ from infinity.swap.swapper import TensorSwapper
 
 
 class SwapContext:
-    """Pool + AsyncIO + TensorSwapper for the optimizer state of one rank, sized from the config."""
+    """Pool + AsyncIO + TensorSwapper: `count` buffers of `size` bytes, files under `directory`."""
 
-    def __init__(self, cfg: Config, *, rank: int = 0, largest_group_numel: int | None = None):
+    def __init__(self, *, directory, count: int, size: int, cfg: Config, pin: bool, rank: int = 0, kind: str = ""):
+        aio = cfg.aio
+        self.io = AsyncIO(backend=aio.backend, block_size=aio.block_size, queue_depth=aio.queue_depth,
+                          threads=aio.intra_op_parallelism, direct=cfg.infinity.direct_io)
+        try:
+            # pin_memory page-locks the pool for device copies, which only means something when CUDA is there.
+            self.pool = BufferPool(count, size, pin=pin and torch.cuda.is_available())
+            self.swapper = TensorSwapper(directory, self.pool, self.io, rank=rank, kind=kind,
+                                         checksums=cfg.infinity.checksums, leftovers=cfg.infinity.leftovers)
+        except BaseException:
+            self.io.close()
+            raise
+
+    @classmethod
+    def for_optimizer(cls, cfg: Config, *, rank: int = 0, largest_group_numel: int | None = None) -> "SwapContext":
+        """One buffer holds a whole sub-group's [param | exp_avg | exp_avg_sq] in fp32 (12 B per parameter)."""
         off = cfg.zero_optimization.offload_optimizer
         if off.device != "nvme":
             raise ValueError('SwapContext: zero_optimization.offload_optimizer.device is not "nvme"; nothing to swap')
@@ -33,18 +50,18 @@ class SwapContext:
                               f"{off.buffer_count} buffers x 12 B x {group} parameters = {pool_bytes / 2**30:.2f} GiB "
                               f"exceeds infinity.memory_budget ({budget / 2**30:.2f} GiB); lower buffer_count or "
                               "zero_optimization.sub_group_size")
-        aio = cfg.aio
-        self.io = AsyncIO(backend=aio.backend, block_size=aio.block_size, queue_depth=aio.queue_depth,
-                          threads=aio.intra_op_parallelism, direct=cfg.infinity.direct_io)
-        try:
-            # One buffer holds a whole sub-group's [param | exp_avg | exp_avg_sq] in fp32. pin_memory
-            # page-locks it for device copies, which only means something when CUDA is there.
-            self.pool = BufferPool(off.buffer_count, 12 * group, pin=off.pin_memory and torch.cuda.is_available())
-            self.swapper = TensorSwapper(off.nvme_path, self.pool, self.io, rank=rank,
-                                         checksums=cfg.infinity.checksums, leftovers=cfg.infinity.leftovers)
-        except BaseException:
-            self.io.close()
-            raise
+        return cls(directory=off.nvme_path, count=off.buffer_count, size=12 * group, cfg=cfg, pin=off.pin_memory,
+                   rank=rank)
+
+    @classmethod
+    def for_params(cls, cfg: Config, *, rank: int = 0, largest_shard_numel: int | None = None) -> "SwapContext":
+        """Parameter shards: buffer_size elements of fp32 (shards start as fp32; see ParamStore)."""
+        off = cfg.zero_optimization.offload_param
+        if off.device != "nvme":
+            raise ValueError('SwapContext: zero_optimization.offload_param.device is not "nvme"; nothing to swap')
+        numel = off.buffer_size if largest_shard_numel is None else largest_shard_numel
+        return cls(directory=off.nvme_path, count=off.buffer_count, size=4 * numel, cfg=cfg, pin=off.pin_memory,
+                   rank=rank, kind="param")
 
     def close(self) -> None:
         self.swapper.close()

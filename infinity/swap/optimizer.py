@@ -52,8 +52,14 @@ class OptimizerSwapper:
 
     def step(self, grads: list[torch.Tensor], *, step: int, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
              weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True, grad_scale: float = 1.0,
-             out_lowp: list[torch.Tensor] | None = None, check_finite: bool = True) -> StepStats:
+             out_lowp: list[torch.Tensor] | None = None, check_finite: bool = True,
+             on_updated=None) -> StepStats:
         """One Adam step over every group. With check_finite, an inf/nan in any gradient skips all groups.
+
+        `on_updated(i, param)` is called with each group's new fp32 weights
+        (a view into its buffer, valid only during the call) before they are
+        written back: this is how the parameter store gets its copy in the
+        same pass over the state.
 
         If anything raises mid-step, every buffer goes back to the pool and
         every group is left ON_DISK: groups already written hold the new
@@ -91,6 +97,8 @@ class OptimizerSwapper:
                 try:
                     cpu_adam_step(state[:n], grads[i], state[n:2 * n], state[2 * n:],
                                   out_lowp=None if out_lowp is None else out_lowp[i], **hyper)
+                    if on_updated is not None:
+                        on_updated(i, state[:n])
                 except BaseException:
                     sw.release(self.ids[i])  # its file still holds the state from before this step
                     raise

@@ -83,10 +83,14 @@ class BufferPool:
         with self._cond:
             return self.count - len(self._free)
 
-    def try_acquire(self, owner: str | None = None) -> PoolBuffer | None:
-        """A free buffer, or None at once if there is none (what prefetchers use)."""
+    def try_acquire(self, owner: str | None = None, *, reserve: int = 0) -> PoolBuffer | None:
+        """A free buffer, or None at once if no more than `reserve` are free (what prefetchers use).
+
+        A prefetcher passes reserve=1 so that the critical path, which takes
+        one buffer at a time, always finds one: it can never be starved.
+        """
         with self._cond:
-            return self._take(owner) if self._free else None
+            return self._take(owner) if len(self._free) > reserve else None
 
     def acquire(self, owner: str | None = None, timeout: float | None = None) -> PoolBuffer:
         """A free buffer, waiting for one to be released; PoolExhausted after `timeout` seconds."""

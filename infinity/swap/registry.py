@@ -137,6 +137,15 @@ class Registry:
         except KeyError:
             raise KeyError(f"no partition {id!r} is registered") from None
 
+    def unregister(self, id: str) -> Partition:
+        """Forget a partition that holds no buffer (ON_DISK or RESIDENT)."""
+        with self._lock:
+            part = self[id]
+            if part.buffer is not None:
+                raise RuntimeError(f"Registry.unregister: partition {id!r} is {part.residency.name} and holds a "
+                                   "pool buffer; release it first")
+            return self._parts.pop(id)
+
     def __len__(self) -> int:
         return len(self._parts)
 

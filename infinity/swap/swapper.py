@@ -1,6 +1,6 @@
 """TensorSwapper: moves registered partitions between pool buffers and swap files.
 
-On-disk layout (one file per partition, `<nvme_path>/infinity-swap/rank<R>/<name>.swp`):
+On-disk layout (one file per partition, `<nvme_path>/infinity-swap/[<kind>-]rank<R>/<name>.swp`):
   bytes [0, 4096)      header: UTF-8 JSON, padded with spaces: {"magic": "infinity-swap", "version": 1,
                        "id": ..., "dtype": "float32", "numel": N, "nbytes": B, "crc32c": C or null}
   bytes [4096, 4096+B) the partition's raw little-endian bytes (C-order), B = numel x element size
@@ -75,7 +75,7 @@ class SwapFuture:
 class TensorSwapper:
     """Swap partitions in and out of files under `directory`, through `pool`."""
 
-    def __init__(self, directory, pool: BufferPool, aio: AsyncIO | None = None, *, rank: int = 0,
+    def __init__(self, directory, pool: BufferPool, aio: AsyncIO | None = None, *, rank: int = 0, kind: str = "",
                  checksums: bool = True, leftovers: str = "clear", registry: Registry | None = None):
         if leftovers not in ("clear", "reuse", "error"):
             raise ValueError(f"TensorSwapper: leftovers must be clear, reuse or error, got {leftovers!r}")
@@ -84,7 +84,8 @@ class TensorSwapper:
         self._own_aio = aio is None
         self.registry = registry or Registry()
         self.checksums = checksums
-        self.dir = os.path.join(os.fspath(directory), "infinity-swap", f"rank{rank}")
+        # `kind` keeps two swappers of one rank (parameters, optimizer state) in separate directories.
+        self.dir = os.path.join(os.fspath(directory), "infinity-swap", f"{kind}-rank{rank}" if kind else f"rank{rank}")
         self.rank = rank
         self._crc: dict[str, int | None] = {}
         self._lock = threading.Lock()
@@ -235,7 +236,7 @@ class TensorSwapper:
 
     # ------------------------------------------------------------- swap in
 
-    def swap_in(self, part_id: str, *, prefetch: bool = False) -> SwapFuture | None:
+    def swap_in(self, part_id: str, *, prefetch: bool = False, reserve: int = 0) -> SwapFuture | None:
         """Start reading a partition into a pool buffer; the future gives a typed view of it.
 
         With prefetch=True it never waits for a buffer: it returns None when
@@ -252,7 +253,7 @@ class TensorSwapper:
                 raise RuntimeError(f"swap_in({part_id!r}): partition is {part.residency.name}; wait for its "
                                    "pending swap first")
         owner = f"swap_in:{part_id}"
-        buf = self.pool.try_acquire(owner) if prefetch else self.pool.acquire(owner)
+        buf = self.pool.try_acquire(owner, reserve=reserve) if prefetch else self.pool.acquire(owner)
         if buf is None:
             return None
         try:
@@ -286,6 +287,17 @@ class TensorSwapper:
         with self._lock:
             buf = part.drop(discard=discard)
         self.pool.release(buf)
+
+    def remove(self, part_id: str) -> None:
+        """Forget a partition that is ON_DISK and delete its swap file (its bytes are no longer needed)."""
+        self._check_open()
+        with self._lock:
+            self.registry.unregister(part_id)
+            self._crc.pop(part_id, None)
+        try:
+            os.unlink(self.path_of(part_id))
+        except FileNotFoundError:
+            pass
 
     # ------------------------------------------------------------- reaping
 

@@ -68,7 +68,7 @@ def test_swap_context_from_a_shipped_config(disk_dir):
 
     cfg = load_config(pathlib.Path(__file__).resolve().parents[2] / "swap_configs" / "nvme_offload.json",
                       nvme_path=disk_dir)
-    with SwapContext(cfg, largest_group_numel=1000) as ctx:
+    with SwapContext.for_optimizer(cfg, largest_group_numel=1000) as ctx:
         assert ctx.pool.count == cfg.zero_optimization.offload_optimizer.buffer_count == 4
         assert ctx.pool.size == 12 * 1000 and ctx.io.queue_depth == 32
         opt = OptimizerSwapper(ctx.swapper, [1000, 500])
@@ -105,4 +105,4 @@ def test_swap_context_respects_the_memory_budget(disk_dir):
     with pytest.raises(ConfigError, match=r"zero_optimization.offload_optimizer.buffer_count: 4 buffers x 12 B x "
                                           r"100000000 parameters = 4.47 GiB exceeds infinity.memory_budget "
                                           r"\(1.00 GiB\)"):
-        SwapContext(cfg)
+        SwapContext.for_optimizer(cfg)

@@ -1,0 +1,12 @@
+"""The ZeRO engine: zero_init -> initialize -> Engine, on top of the swap service.
+
+config -> engine (engine.py) -> parameter store and scheduler (params.py,
+scheduler.py) -> swapper (infinity.swap) -> native I/O; the step ->
+ShardedAdam (optimizer.py) -> CPU Adam.
+"""
+
+from infinity.engine.comm import RankFailure
+from infinity.engine.engine import Engine, StepReport, initialize
+from infinity.engine.zero_init import gathered_parameters, zero_init
+
+__all__ = ["Engine", "StepReport", "initialize", "zero_init", "gathered_parameters", "RankFailure"]

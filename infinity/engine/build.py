@@ -1,0 +1,43 @@
+"""Building the parameter store from a config: what zero_init and initialize share."""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.config import Config, load_config
+from infinity.engine.comm import Comm
+from infinity.engine.params import ParamStore
+from infinity.engine.scheduler import PrefetchScheduler
+
+
+def as_config(config) -> Config:
+    return config if isinstance(config, Config) else load_config(config if config is not None else {})
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    if cfg.bf16.enabled:
+        return torch.bfloat16
+    if cfg.fp16.enabled:
+        return torch.float16
+    return torch.float32
+
+
+def compute_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_store(cfg: Config, comm: Comm) -> ParamStore:
+    from infinity.swap import SwapContext
+
+    zero = cfg.zero_optimization
+    tier = zero.offload_param.device if zero.stage == 3 else "none"
+    swap = SwapContext.for_params(cfg, rank=comm.rank) if tier == "nvme" else None
+    persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
+    store = ParamStore(comm, tier=tier, dtype=compute_dtype(cfg), device=compute_device(), persistence=persistence,
+                       stage=zero.stage, swap=swap)
+    if tier == "nvme":
+        store.scheduler = PrefetchScheduler(store, zero.stage3_prefetch_bucket_size,
+                                            zero.stage3_max_reuse_distance)
+    return store

@@ -1,0 +1,87 @@
+"""Comm: the collectives the ZeRO engine needs, over torch.distributed or, without it, one process.
+
+It exists so that the engine never asks "is distributed on?" itself, and so
+that the one place that knows gloo lacks reduce-scatter is here. Every
+collective runs under the process group's timeout: a dead rank makes the
+others raise (see [Note: dead ranks]) instead of hanging.
+
+[Note: dead ranks]
+gloo notices a peer whose process died as a closed connection and raises at
+once; a peer that hangs is caught by the group's timeout. Either way the
+error is re-raised as RankFailure naming the collective and the rank, so the
+surviving rank exits with one clear line.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: another rank died, hung past the timeout, or the group broke."""
+
+
+class Comm:
+    """rank, world size, and all_gather / reduce_scatter / all_reduce over the default group."""
+
+    def __init__(self):
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.backend = dist.get_backend() if self.distributed else "none"
+        # gloo has no reduce_scatter; an all_reduce then a slice gives the same shard at twice the traffic.
+        self.native_reduce_scatter = self.backend == "nccl"
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The concatenation of every rank's shard (all the same numel), rank order."""
+        if self.world == 1:
+            return shard
+        out = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
+        self._run("all_gather", dist.all_gather_into_tensor, out, shard.contiguous())
+        return out
+
+    def reduce_scatter_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/world slice of the mean over ranks of `flat` (numel divisible by world)."""
+        if self.world == 1:
+            return flat
+        part = flat.numel() // self.world
+        if self.native_reduce_scatter:
+            out = torch.empty(part, dtype=flat.dtype, device=flat.device)
+            self._run("reduce_scatter", dist.reduce_scatter_tensor, out, flat.contiguous())
+        else:
+            flat = flat.clone()
+            self._run("all_reduce", dist.all_reduce, flat)
+            out = flat[self.rank * part:(self.rank + 1) * part]
+        return out.div_(self.world)
+
+    def all_reduce_(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        """Sum (or `op`) across ranks, in place."""
+        if self.world > 1:
+            self._run("all_reduce", dist.all_reduce, t, op=op or dist.ReduceOp.SUM)
+        return t
+
+    def broadcast_(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        if self.world > 1:
+            self._run("broadcast", dist.broadcast, t, src=src)
+        return t
+
+    def _run(self, name, fn, *args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise RankFailure(f"infinity: {name} failed on rank {self.rank} of {self.world} ({exc}); another rank "
+                              "probably died or hung. See [Note: dead ranks] in infinity/engine/comm.py") from exc
+
+
+def init_distributed(timeout_s: float = 300.0) -> Comm:
+    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA); a single process without it."""
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return Comm()

@@ -1,0 +1,246 @@
+"""Engine: what `infinity.initialize` returns. Forward, backward and step of a ZeRO-partitioned model.
+
+The data path of one optimizer step:
+  engine(batch)        module pre-hooks gather parameters (scheduler reads NVMe shards ahead), post-hooks release
+  engine.backward(l)   saved-tensor hooks re-gather what backward needs; grad hooks reduce-scatter to owners
+  engine.step()        at an accumulation boundary: overflow check, global clip, CPU Adam per sub-group
+                       (RAM or NVMe), new weights written to the parameter store in the compute dtype
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from infinity.config import Config
+from infinity.engine.build import as_config, build_store
+from infinity.engine.comm import init_distributed
+from infinity.engine.hooks import ParamHooks
+from infinity.engine.loss_scaler import LossScaler
+from infinity.engine.optimizer import ShardedAdam
+from infinity.engine.params import ParamStore, managed
+from infinity.engine.zero_init import current_store
+
+
+@dataclass(kw_only=True, slots=True)
+class StepReport:
+    """What one optimizer step did (engine.last_report; one line of `infinity train`'s metrics.jsonl)."""
+
+    step: int
+    skipped: bool
+    loss_scale: float
+    grad_norm: float
+    step_s: float
+    """From the end of the previous step to the end of this one (forward, backward and optimizer)."""
+    optimizer_s: float
+    param_fetches: int
+    prefetch_hits: int
+    param_stall_s: float
+    """Exposed parameter I/O: time forward/backward waited on shard reads."""
+    optimizer_io_wait_s: float
+    """Exposed optimizer I/O."""
+    param_read_bytes: int
+    optimizer_read_bytes: int
+    optimizer_write_bytes: int
+    param_write_bytes: int
+    peak_live_elements: int
+
+    @property
+    def prefetch_hit_rate(self) -> float:
+        return self.prefetch_hits / self.param_fetches if self.param_fetches else 1.0
+
+    @property
+    def exposed_io_s(self) -> float:
+        return self.param_stall_s + self.optimizer_io_wait_s
+
+    @property
+    def io_read_bytes(self) -> int:
+        return self.param_read_bytes + self.optimizer_read_bytes
+
+    @property
+    def io_write_bytes(self) -> int:
+        return self.optimizer_write_bytes + self.param_write_bytes
+
+
+class Engine:
+    """A model whose parameters, gradients and optimizer state are partitioned and offloaded per the config."""
+
+    def __init__(self, model: torch.nn.Module, cfg: Config, store: ParamStore, optimizer: ShardedAdam,
+                 hooks: ParamHooks, lr_scheduler=None):
+        self.module = model
+        self.config = cfg
+        self.store = store
+        self.comm = store.comm
+        self.optimizer = optimizer
+        self.hooks = hooks
+        self.scaler = LossScaler.from_config(cfg.fp16)
+        self.lr_scheduler = lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(
+            lr_scheduler, "step") else lr_scheduler
+        self.gas = cfg.gradient_accumulation_steps
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.reports: list[StepReport] = []
+        self._t_last = time.perf_counter()
+        self._fetch_stats = []
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world
+
+    @property
+    def last_report(self) -> StepReport | None:
+        return self.reports[-1] if self.reports else None
+
+    def __call__(self, *args, **kwargs):
+        self._check_open()
+        if self.store.scheduler is not None:
+            self.store.scheduler.begin_step()
+        args, kwargs = _cast_floats((args, kwargs), self.store.dtype, self.store.device)
+        with self.hooks.saved_tensors():
+            return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss`, scaled for fp16 and divided by gradient_accumulation_steps."""
+        self._check_open()
+        if loss.numel() != 1:
+            raise ValueError(f"Engine.backward: loss must be a scalar, got shape {tuple(loss.shape)}")
+        scaled = loss.float() * (self.scaler.scale / self.gas)
+        with self.hooks.saved_tensors():
+            scaled.backward()
+        self.micro_steps += 1
+        if self.store.scheduler is not None:
+            self._fetch_stats.append(self.store.scheduler.drain())
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps > 0 and self.micro_steps % self.gas == 0
+
+    def step(self) -> bool:
+        """Step the optimizer at an accumulation boundary (a no-op in between). True when a step was taken."""
+        self._check_open()
+        if not self.is_gradient_accumulation_boundary():
+            return False
+        t0 = time.perf_counter()
+        swapper = self.store.swap.swapper if self.store.swap is not None else None
+        written0 = swapper.bytes_written if swapper is not None else 0
+        overflow, norm, stats = self.optimizer.step(loss_scale=self.scaler.scale,
+                                                    max_norm=self.config.gradient_clipping)
+        self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self.global_steps += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.optimizer.zero_grad()
+        t1 = time.perf_counter()
+        fs = self._fetch_stats
+        self.reports.append(StepReport(
+            step=self.global_steps + self.skipped_steps, skipped=overflow, loss_scale=self.scaler.scale,
+            grad_norm=norm, step_s=t1 - self._t_last, optimizer_s=t1 - t0,
+            param_fetches=sum(s.fetches for s in fs), prefetch_hits=sum(s.hits for s in fs),
+            param_stall_s=sum(s.stall_s for s in fs), optimizer_io_wait_s=stats.io_wait_s,
+            param_read_bytes=sum(s.bytes_read for s in fs), optimizer_read_bytes=stats.bytes_read,
+            optimizer_write_bytes=stats.bytes_written,
+            param_write_bytes=(swapper.bytes_written - written0) if swapper is not None else 0,
+            peak_live_elements=self.store.peak_live_elements))
+        self._fetch_stats = []
+        self.store.peak_live_elements = self.store.live_elements
+        self._t_last = t1
+        return not overflow
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def save_checkpoint(self, directory, tag=None):
+        raise NotImplementedError("Engine.save_checkpoint: streamed zarr checkpoints are not built yet (issue 7)")
+
+    def load_checkpoint(self, directory, tag=None):
+        raise NotImplementedError("Engine.load_checkpoint: streamed zarr checkpoints are not built yet (issue 7)")
+
+    def close(self) -> None:
+        """Remove hooks, stop I/O and delete swap files. The model's parameters are left as placeholders."""
+        if self._closed:
+            return
+        self._closed = True
+        self.hooks.remove()
+        self.optimizer.close()
+        self.store.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Engine is closed")
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _cast_floats(obj, dtype, device):
+    if isinstance(obj, torch.Tensor):
+        obj = obj.to(device)
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype, device) for k, v in obj.items()}
+    return obj
+
+
+def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_scheduler=None) -> Engine:
+    """Partition `model` (if zero_init has not), build the optimizer, install the hooks; returns the Engine.
+
+    `model_parameters`, when given, must be the model's parameters (DeepSpeed's
+    argument; every trainable parameter is optimized either way).
+    `lr_scheduler` is a torch lr scheduler or a function optimizer -> scheduler.
+    """
+    from infinity.swap import SwapContext
+
+    cfg = as_config(config)
+    comm = init_distributed()
+    store = next((managed(p).extra["store"] for p in model.parameters() if managed(p) is not None), None)
+    if store is None:
+        store = current_store() or build_store(cfg, comm)
+    if model_parameters is not None:
+        ids = {id(p) for p in model.parameters()}
+        stray = [p for p in model_parameters if id(p) not in ids]
+        if stray:
+            raise ValueError(f"infinity.initialize: {len(stray)} of model_parameters are not parameters of the model")
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+        if managed(p) is None:
+            if p.requires_grad:
+                store.adopt(p, name)
+        else:
+            managed(p).name = name
+    store.retain({id(p) for p in model.parameters()})
+    for module in model.modules():  # buffers go to the compute device; parameters stay placeholders
+        for key, b in module._buffers.items():
+            if b is not None:
+                module._buffers[key] = b.to(store.device)
+    opt_swap = None
+    try:
+        if cfg.zero_optimization.offload_optimizer.device == "nvme":
+            sizes = [g.numel for g in ShardedAdam._plan(store.params, cfg.zero_optimization.sub_group_size)]
+            opt_swap = SwapContext.for_optimizer(cfg, rank=comm.rank, largest_group_numel=max(sizes, default=1))
+        optimizer = ShardedAdam(store, cfg, comm, swap=opt_swap)
+    except BaseException:
+        if opt_swap is not None:
+            opt_swap.close()
+        raise
+    store.frozen = True
+    hooks = ParamHooks(store)
+    hooks.install(model)
+    return Engine(model, cfg, store, optimizer, hooks, lr_scheduler)

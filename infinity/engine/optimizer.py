@@ -1,0 +1,193 @@
+"""ShardedAdam: Adam/AdamW over this rank's fp32 master shards, held in RAM or swapped from NVMe.
+
+The managed parameters' shards are packed, in registration order, into
+sub-groups of at most `zero_optimization.sub_group_size` elements (a larger
+parameter is a group of its own). A group is what the optimizer moves and
+steps at once: one flat fp32 gradient buffer (the `grad` view of each
+ManagedParam points into it), and one master/exp_avg/exp_avg_sq triple,
+either as tensors in RAM (offload_optimizer none or cpu) or as one
+[param | exp_avg | exp_avg_sq] swap partition (nvme, via OptimizerSwapper).
+
+After each group's Adam the new weights go straight to the parameter store
+(`publish`), in the compute dtype the kernel wrote in the same pass.
+
+It subclasses torch.optim.Optimizer only so that torch's lr schedulers can
+drive `param_groups[0]["lr"]`; its state lives in the groups, not in `state`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from infinity.engine.comm import Comm
+from infinity.engine.params import ParamStore
+from infinity.optim import cpu_adam_step, grads_finite
+from infinity.swap.telemetry import StepStats
+
+
+class _Group:
+    __slots__ = ("params", "offsets", "numel", "grad", "master", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, params):
+        self.params = params
+        self.offsets = []
+        off = 0
+        for mp in params:
+            self.offsets.append(off)
+            off += mp.part
+        self.numel = off
+        self.grad = self.master = self.exp_avg = self.exp_avg_sq = None
+
+
+class ShardedAdam(torch.optim.Optimizer):
+    def __init__(self, store: ParamStore, cfg, comm: Comm, *, swap=None):
+        opt = cfg.optimizer
+        hp = opt.params
+        if hp.amsgrad:
+            raise ValueError("optimizer.params.amsgrad: AMSGrad is not supported; set it to false")
+        self.hyper = dict(betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay,
+                          adamw=opt.type == "AdamW" or hp.adam_w_mode, bias_correction=hp.bias_correction)
+        super().__init__([mp.param for mp in store.params], {"lr": hp.lr})
+        self.store = store
+        self.comm = comm
+        self.tier = cfg.zero_optimization.offload_optimizer.device
+        self.step_count = 0
+        self.groups = self._plan(store.params, cfg.zero_optimization.sub_group_size)
+        grad_device = store.device if self.tier == "none" else torch.device("cpu")
+        self.lowp = None
+        if store.dtype != torch.float32:
+            biggest = max((g.numel for g in self.groups), default=0)
+            self.lowp = torch.empty(biggest, dtype=store.dtype)
+        for g in self.groups:
+            g.grad = torch.zeros(g.numel, dtype=torch.float32, device=grad_device)
+            for mp, off in zip(g.params, g.offsets):
+                mp.grad = g.grad[off:off + mp.part]
+        self.swap = swap
+        self.swapper = None
+        self._init_state()
+
+    @staticmethod
+    def _plan(params, sub_group_size: int) -> list[_Group]:
+        groups, cur, size = [], [], 0
+        for mp in params:
+            if cur and size + mp.part > sub_group_size:
+                groups.append(_Group(cur))
+                cur, size = [], 0
+            cur.append(mp)
+            size += mp.part
+        if cur:
+            groups.append(_Group(cur))
+        return groups
+
+    def _init_state(self) -> None:
+        """Master weights from the store's current shards; then the store switches to the compute dtype."""
+        store = self.store
+        if self.tier == "nvme":
+            from infinity.swap.optimizer import OptimizerSwapper
+
+            self.swapper = OptimizerSwapper(self.swap.swapper, [g.numel for g in self.groups], name="optim")
+        for i, g in enumerate(self.groups):
+            master = torch.empty(g.numel, dtype=torch.float32)
+            for mp, off in zip(g.params, g.offsets):
+                master[off:off + mp.part].copy_(store.read_shard(mp, torch.float32, scheduled=False))
+            if self.swapper is not None:
+                self.swapper.initialize(i, master)
+            else:
+                dev = store.device if self.tier == "none" else torch.device("cpu")
+                g.master = master.to(dev)
+                g.exp_avg = torch.zeros_like(g.master)
+                g.exp_avg_sq = torch.zeros_like(g.master)
+            self._publish(g, master, wait=False)
+        self._flush()
+        store.refresh_persistent()
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None, *, loss_scale: float = 1.0, max_norm: float = 0.0):
+        """Unscale, check for overflow on every rank, clip to the global norm, step, publish.
+
+        Returns (overflowed, grad_norm, StepStats). An overflow anywhere skips the step everywhere.
+        """
+        grads = [g.grad for g in self.groups]
+        flag = torch.tensor([0.0 if _finite(grads) else 1.0])
+        if self.comm.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX).item() > 0:
+            return True, float("inf"), StepStats(skipped=True)
+        sq = torch.zeros(1, dtype=torch.float64)
+        for g in grads:
+            if g.numel():
+                sq += torch.linalg.vector_norm(g, dtype=torch.float64).cpu() ** 2
+        norm = math.sqrt(self.comm.all_reduce_(sq).item()) / loss_scale
+        coef = 1.0
+        if max_norm > 0:
+            coef = min(1.0, max_norm / (norm + 1e-6))
+        self.step_count += 1
+        hyper = dict(self.hyper, step=self.step_count, lr=float(self.param_groups[0]["lr"]),
+                     grad_scale=loss_scale / coef)
+        stats = self._step_groups(grads, hyper)
+        self._flush()
+        self.store.refresh_persistent()
+        return False, norm, stats
+
+    def _step_groups(self, grads, hyper) -> StepStats:
+        if self.swapper is not None:
+            lowps = None if self.lowp is None else [self.lowp[:g.numel] for g in self.groups]
+            return self.swapper.step(grads, check_finite=False, out_lowp=lowps,
+                                     on_updated=lambda i, p: self._publish(self.groups[i], p, lowps and lowps[i]),
+                                     **hyper)
+        stats = StepStats()
+        for g in self.groups:
+            if g.master.device.type == "cpu":
+                lowp = None if self.lowp is None else self.lowp[:g.numel]
+                cpu_adam_step(g.master, g.grad, g.exp_avg, g.exp_avg_sq, out_lowp=lowp, check_finite=False, **hyper)
+                self._publish(g, g.master, lowp)
+            else:
+                _device_adam(g, **hyper)
+                self._publish(g, g.master, None)
+        return stats
+
+    def _publish(self, g: _Group, master: torch.Tensor, lowp: torch.Tensor | None = None, *, wait=False):
+        src = lowp if lowp is not None else master
+        for mp, off in zip(g.params, g.offsets):
+            values = src[off:off + mp.part]
+            if mp.shard is not None and mp.shard.data_ptr() == values.data_ptr():
+                continue
+            self.store.write_shard(mp, values, wait=wait)
+
+    def _flush(self) -> None:
+        if self.store.tier == "nvme":
+            self.store.swap.swapper.flush()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for g in self.groups:
+            g.grad.zero_()
+        for mp in self.store.params:
+            mp.param.grad = None
+
+    def close(self) -> None:
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
+
+
+def _finite(grads) -> bool:
+    cpu = [g for g in grads if g.device.type == "cpu"]
+    dev = [g for g in grads if g.device.type != "cpu"]
+    return grads_finite(cpu) and all(bool(torch.isfinite(g).all()) for g in dev)
+
+
+def _device_adam(g: _Group, *, step, lr, betas, eps, weight_decay, adamw, bias_correction, grad_scale):
+    """Adam on an accelerator (offload_optimizer none on CUDA): the same math as cpu_adam_step, in torch ops."""
+    grad = g.grad / grad_scale
+    p, m, v = g.master, g.exp_avg, g.exp_avg_sq
+    if not adamw and weight_decay:
+        grad = grad.add(p, alpha=weight_decay)
+    if adamw and weight_decay:
+        p.mul_(1 - lr * weight_decay)
+    m.lerp_(grad, 1 - betas[0])
+    v.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+    bc1 = 1 - betas[0] ** step if bias_correction else 1.0
+    bc2 = 1 - betas[1] ** step if bias_correction else 1.0
+    p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)

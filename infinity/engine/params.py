@@ -1,0 +1,259 @@
+"""ParamStore: every managed parameter's shard, where it lives, and how it is gathered and released.
+
+Three layers, as in the swap service (see shared/STYLE.md):
+- `ManagedParam`: one parameter. Its module still owns the nn.Parameter;
+  between uses `param.data` is a placeholder (see [Note: placeholder]) and
+  the real values are this rank's 1/world shard, in RAM or in a swap file.
+- `ParamStore`: all of a model's managed parameters, the shard tier (none,
+  cpu or nvme) and, for nvme, the swap context that moves shards.
+- `PrefetchScheduler` (scheduler.py): decides which shards to read ahead.
+
+[Note: placeholder]
+A released parameter's `.data` is a 0-dim NaN expanded to the full shape: it
+costs one element, keeps `param.shape` right for code that reads it, and any
+accidental use outside a gather turns into NaN (a loss of NaN) rather than
+plausible garbage. Autograd's AccumulateGrad accepts it, since the shape
+matches; the gradient it produces is taken by `ParamStore.on_grad`.
+
+[Note: shard layout]
+A parameter of numel n is flattened and zero-padded to world x ceil(n/world);
+rank r owns elements [r x part, (r+1) x part). The padding is zero in the
+weights, the gradients and Adam's moments, so it stays zero.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from infinity.engine.comm import Comm
+
+
+class ParamStatus(enum.Enum):
+    """Whether a managed parameter's full value exists right now."""
+
+    SHARDED = "sharded"
+    """`param.data` is the placeholder; only this rank's shard exists (in its home tier): 1/world of the bytes."""
+    GATHERED = "gathered"
+    """`param.data` holds the full parameter in the compute dtype: numel x element size outside any pool."""
+
+
+@dataclass(eq=False)
+class ManagedParam:
+    """One parameter partitioned over ranks (see [Note: shard layout])."""
+
+    param: torch.nn.Parameter
+    name: str
+    index: int
+    shape: torch.Size
+    numel: int
+    part: int
+    """Elements per rank's shard, padding included."""
+    persistent: bool = False
+    """Small enough (stage3_param_persistence_threshold) or stage < 3: stays GATHERED."""
+    status: ParamStatus = ParamStatus.GATHERED
+    users: int = 0
+    """Module forwards (and gathered_parameters blocks) currently using the full value."""
+    shard: torch.Tensor | None = None
+    """RAM tiers: this rank's shard in the store's dtype. nvme: None (it is in the swap file)."""
+    grad: torch.Tensor | None = None
+    """fp32 view of this rank's gradient shard, inside the optimizer's group buffer."""
+    extra: dict = field(default_factory=dict)
+
+    def gathered(self, full: torch.Tensor) -> None:
+        assert self.status is ParamStatus.SHARDED, f"{self.name}: gathered while {self.status.name}"
+        self.param.data = full
+        self.status = ParamStatus.GATHERED
+
+    def released(self) -> None:
+        assert self.status is ParamStatus.GATHERED, f"{self.name}: released while {self.status.name}"
+        self.param.data = placeholder(self.shape, self.param.dtype, self.param.device)
+        self.status = ParamStatus.SHARDED
+
+
+def placeholder(shape, dtype, device) -> torch.Tensor:
+    """See [Note: placeholder]."""
+    return torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
+
+
+def managed(t) -> ManagedParam | None:
+    return getattr(t, "_infinity", None)
+
+
+class ParamStore:
+    """The shards of every managed parameter of one rank, and gather / release / write-back."""
+
+    def __init__(self, comm: Comm, *, tier: str, dtype: torch.dtype, device: torch.device, persistence: int,
+                 stage: int, swap=None, scheduler=None):
+        self.comm = comm
+        self.tier = tier
+        self.dtype = dtype
+        """The compute dtype: gathered parameters and (after initialize) the shards."""
+        self.device = device
+        self.persistence = persistence
+        self.stage = stage
+        self.swap = swap  # SwapContext-like: .pool, .swapper (tier nvme only)
+        self.scheduler = scheduler
+        self.params: list[ManagedParam] = []
+        self.live_elements = 0
+        self.peak_live_elements = 0
+        self.bytes_gathered = 0
+        self.frozen = False  # set by initialize(): from then on the optimizer owns the master weights
+
+    # ------------------------------------------------------------ partition
+
+    def adopt(self, param: torch.nn.Parameter, name: str) -> ManagedParam:
+        """Take over a parameter: keep this rank's shard of its current value, release the rest."""
+        if managed(param) is not None:
+            return managed(param)
+        if not param.is_floating_point():
+            raise ValueError(f"infinity: parameter {name} has dtype {param.dtype}; only floating-point parameters "
+                             "can be partitioned")
+        numel = param.numel()
+        part = max(1, math.ceil(numel / self.comm.world))
+        mp = ManagedParam(param=param, name=name, index=len(self.params), shape=param.shape, numel=numel, part=part,
+                          persistent=self.stage < 3 or numel <= self.persistence)
+        flat = param.detach().reshape(-1)
+        lo, hi = self.comm.rank * part, min(numel, (self.comm.rank + 1) * part)
+        shard = torch.zeros(part, dtype=param.dtype, device="cpu")
+        if hi > lo:
+            shard[:hi - lo].copy_(flat[lo:hi])
+        self._store_shard(mp, shard)
+        mp.extra["store"] = self
+        param._infinity = mp
+        self.params.append(mp)
+        if mp.persistent:
+            self.live_elements += numel
+            self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+        else:
+            mp.released()
+        return mp
+
+    def _store_shard(self, mp: ManagedParam, shard: torch.Tensor) -> None:
+        if self.tier == "nvme":
+            self.swap.swapper.swap_out(self._swap_id(mp, shard.dtype), shard).wait()
+            mp.shard = None
+            mp.extra["swap_dtype"] = shard.dtype
+        else:
+            mp.shard = shard if self.tier == "cpu" or self.device.type == "cpu" else shard.to(self.device)
+
+    def _swap_id(self, mp: ManagedParam, dtype) -> str:
+        return f"param/{mp.index}/{str(dtype).replace('torch.', '')}"
+
+    def retain(self, keep: set) -> None:
+        """Forget managed parameters the model no longer holds (e.g. replaced by a tied weight)."""
+        for mp in [mp for mp in self.params if id(mp.param) not in keep]:
+            if self.tier == "nvme":
+                self.swap.swapper.remove(self._swap_id(mp, mp.extra["swap_dtype"]))
+            if mp.persistent:
+                self.live_elements -= mp.numel
+            del mp.param._infinity
+            mp.param.data = torch.empty(0, dtype=mp.param.dtype)
+        self.params = [mp for mp in self.params if id(mp.param) in keep]
+
+    # --------------------------------------------------------------- shards
+
+    def read_shard(self, mp: ManagedParam, dtype=None, *, scheduled: bool = True) -> torch.Tensor:
+        """This rank's shard as a tensor of its own (a copy for nvme; the stored tensor for RAM tiers).
+
+        `scheduled` fetches count in the prefetch trace; reads outside forward/backward pass False.
+        """
+        if self.tier != "nvme":
+            return mp.shard if dtype is None else mp.shard.to(dtype)
+        sid = self._swap_id(mp, mp.extra["swap_dtype"])
+        if self.scheduler is not None and scheduled:
+            return self.scheduler.fetch(mp, sid, dtype or mp.extra["swap_dtype"])
+        view = self.swap.swapper.swap_in(sid).wait()
+        try:
+            out = view.to(dtype or view.dtype, copy=True)
+        finally:
+            self.swap.swapper.release(sid)
+        return out
+
+    def write_shard(self, mp: ManagedParam, values: torch.Tensor, *, wait: bool = False, keep_dtype: bool = False):
+        """Replace this rank's shard with `values` (part elements), stored in the compute dtype.
+
+        keep_dtype keeps the shard's current dtype (fp32 until initialize()
+        has made the master weights from it).
+        """
+        if self.tier != "nvme":
+            dtype = mp.shard.dtype if keep_dtype else self.dtype
+            if mp.shard.dtype != dtype:
+                mp.shard = torch.empty(mp.part, dtype=dtype, device=mp.shard.device)
+            mp.shard.copy_(values)
+            return None
+        old = mp.extra["swap_dtype"]
+        dtype = old if keep_dtype else self.dtype
+        if old != dtype:
+            self.swap.swapper.remove(self._swap_id(mp, old))
+            mp.extra["swap_dtype"] = dtype
+        fut = self.swap.swapper.swap_out(self._swap_id(mp, dtype), values.to(dtype))
+        return fut.wait() if wait else fut
+
+    # -------------------------------------------------------- gather/release
+
+    def gather_full(self, mp: ManagedParam) -> torch.Tensor:
+        """The full parameter, in the compute dtype, on the compute device (a new tensor unless GATHERED)."""
+        if mp.status is ParamStatus.GATHERED:
+            return mp.param.data
+        shard = self.read_shard(mp, self.dtype).to(self.device, non_blocking=True)
+        full = self.comm.all_gather(shard)
+        if full is mp.shard:
+            full = full.clone()  # one rank, RAM tier: never alias the shard the optimizer rewrites
+        self.bytes_gathered += mp.numel * full.element_size()
+        return full[:mp.numel].view(mp.shape)
+
+    def use(self, mp: ManagedParam) -> None:
+        """One more user of the full value; gathers it on the first."""
+        if mp.users == 0 and mp.status is ParamStatus.SHARDED:
+            mp.gathered(self.gather_full(mp))
+            self.live_elements += mp.numel
+            self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+        mp.users += 1
+
+    def unuse(self, mp: ManagedParam) -> None:
+        """One user fewer; the last one releases it (unless persistent)."""
+        assert mp.users > 0, f"{mp.name}: unuse without use"
+        mp.users -= 1
+        if mp.users == 0 and not mp.persistent and mp.status is ParamStatus.GATHERED:
+            mp.released()
+            self.live_elements -= mp.numel
+
+    def refresh_persistent(self) -> None:
+        """After a step: re-gather the parameters that stay gathered from their new shards."""
+        for mp in self.params:
+            if mp.persistent or mp.status is ParamStatus.GATHERED:
+                mp.param.data = self._fresh(mp)
+
+    def _fresh(self, mp: ManagedParam) -> torch.Tensor:
+        shard = self.read_shard(mp, self.dtype, scheduled=False).to(self.device)
+        full = self.comm.all_gather(shard)
+        if full is mp.shard:
+            full = full.clone()
+        return full[:mp.numel].view(mp.shape)
+
+    # ----------------------------------------------------------------- grads
+
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        """post-accumulate-grad hook: reduce-scatter the full gradient into this rank's fp32 shard."""
+        mp = managed(param)
+        g = param.grad
+        param.grad = None
+        if g is None or mp.grad is None:
+            return
+        flat = g.reshape(-1).to(torch.float32)
+        pad = mp.part * self.comm.world - mp.numel
+        if pad:
+            flat = torch.nn.functional.pad(flat, (0, pad))
+        mine = self.comm.reduce_scatter_mean(flat)
+        mp.grad.add_(mine.to(mp.grad.device))
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.drain()
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None

@@ -1,0 +1,191 @@
+"""PrefetchScheduler: reads NVMe parameter shards ahead of use, in the order the first step used them.
+
+[Note: trace-based prefetch]
+Step 1 records every shard fetch, forward and backward, in order: the
+trace. On later steps each fetch advances a cursor along the trace and tops
+up the reads in flight to `stage3_prefetch_bucket_size` elements ahead of
+it. A prefetch takes a pool buffer only with `try_acquire(reserve=1)`, so
+the one fetch on the critical path always finds a buffer: the pool can be
+slow, never exhausted (DeepSpeed's "not enough buffers" cannot happen).
+A parameter fetched again within `stage3_max_reuse_distance` elements of
+trace (a tied weight used at the end of forward and the start of backward,
+say) keeps its shard in RAM in between instead of being read twice.
+When a fetch is not where the cursor expects, the order changed: the
+cursor resynchronises if the shard is a little further on, otherwise the
+step goes on without prefetching (still correct) and the next step records
+a new trace. Prefetched shards not used by the end of a step are dropped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from dataclasses import dataclass
+
+_RESYNC_WINDOW = 64
+
+
+@dataclass(kw_only=True, slots=True)
+class PrefetchStats:
+    """One step of parameter fetches from NVMe."""
+
+    fetches: int = 0
+    hits: int = 0
+    """Fetches whose read was already submitted (or done) when asked for."""
+    stall_s: float = 0.0
+    """Time the compute thread waited for shard reads: the exposed parameter I/O."""
+    bytes_read: int = 0
+    recorded: bool = False
+    """This step recorded the trace (its fetches are all misses by design)."""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.fetches if self.fetches else 1.0
+
+
+class PrefetchScheduler:
+    def __init__(self, store, bucket_elements: int, reuse_distance: int = 0):
+        self.store = store
+        self.bucket = bucket_elements
+        self.reuse_distance = reuse_distance
+        self.trace: list = []
+        self.reused: list[bool] = []  # trace[j] comes from the reuse cache (see the note)
+        self.keep: list[bool] = []  # after trace[j]'s fetch, keep the shard for its next use
+        self.recording = True
+        self.pos = 0
+        self.ahead = 0
+        self.broken = False
+        self.inflight: dict[str, tuple] = {}  # swap id -> (future, elements)
+        self.cached = 0  # elements in the reuse cache
+        self.stats = PrefetchStats(recorded=True)
+        self.history: list[PrefetchStats] = []
+
+    @property
+    def swapper(self):
+        return self.store.swap.swapper
+
+    def begin_step(self) -> None:
+        """Start of a forward: read the head of the trace before the first module asks."""
+        if not self.recording and not self.broken:
+            self.pos = self.ahead = 0
+            self._prefetch()
+
+    def fetch(self, mp, sid: str, dtype) -> "torch.Tensor":
+        """`mp`'s shard as a tensor of its own, in `dtype`, through the reuse cache or the prefetched reads."""
+        st = self.stats
+        st.fetches += 1
+        j = self._advance(mp)
+        cached = mp.extra.pop("reuse", None)
+        if cached is not None:
+            self.cached -= mp.part
+            st.hits += 1
+            out = cached
+        else:
+            hit = self.inflight.pop(sid, None)
+            if hit is not None:
+                st.hits += 1
+                fut = hit[0]
+            else:
+                fut = self.swapper.swap_in(sid)
+            self._prefetch()
+            t0 = time.perf_counter()
+            try:
+                view = fut.wait()
+            finally:
+                st.stall_s += time.perf_counter() - t0
+            try:
+                out = view.to(dtype, copy=True)
+            finally:
+                self.swapper.release(sid)
+            st.bytes_read += view.numel() * view.element_size()
+        if j is not None and self.keep[j] and self._held() + mp.part <= self.bucket:
+            mp.extra["reuse"] = out
+            self.cached += mp.part
+        return out
+
+    def _held(self) -> int:
+        """Elements held ahead of use: reads in flight plus the reuse cache, bounded by the prefetch bucket."""
+        return self.cached + sum(n for _, n in self.inflight.values())
+
+    def _advance(self, mp) -> int | None:
+        """Move the cursor past `mp`; its trace index, or None when recording or off the trace."""
+        if self.recording:
+            self.trace.append(mp)
+            return None
+        if self.broken:
+            return None
+        end = min(len(self.trace), self.pos + _RESYNC_WINDOW)
+        for j in range(self.pos, end):
+            if self.trace[j] is mp:
+                self.pos = j + 1
+                self.ahead = max(self.ahead, self.pos)
+                return j
+        self.broken = True  # the order changed: see [Note: trace-based prefetch]
+        self._drop_cache()
+        return None
+
+    def _drop_cache(self) -> None:
+        for mp in self.trace:
+            mp.extra.pop("reuse", None)
+        self.cached = 0
+
+    def _plan_reuse(self) -> None:
+        """After recording: which fetches keep their shard for a next use within the reuse distance."""
+        n = len(self.trace)
+        self.keep = [False] * n
+        self.reused = [False] * n
+        last: dict[int, int] = {}
+        between = [0] * (n + 1)
+        for j, mp in enumerate(self.trace):
+            between[j + 1] = between[j] + mp.part
+            i = last.get(id(mp))
+            if i is not None and between[j] - between[i + 1] <= self.reuse_distance:
+                self.keep[i] = self.reused[j] = True
+            last[id(mp)] = j
+
+    def _prefetch(self) -> None:
+        if self.recording or self.broken:
+            return
+        budget = self.bucket - self._held()
+        j = self.ahead
+        while j < len(self.trace):
+            mp = self.trace[j]
+            sid = self.store._swap_id(mp, mp.extra["swap_dtype"])
+            if self.reused[j]:
+                pass  # served from RAM
+            elif sid in self.inflight:
+                break  # an earlier use of the same shard is still in flight: one read per partition at a time
+            else:
+                if mp.part > budget:
+                    break
+                fut = self.swapper.swap_in(sid, prefetch=True, reserve=1)
+                if fut is None:
+                    break  # the pool is busy: try again on the next fetch
+                self.inflight[sid] = (fut, mp.part)
+                budget -= mp.part
+            j += 1
+        self.ahead = j
+
+    def drain(self) -> PrefetchStats:
+        """End of a step: drop unused prefetches, close the step's stats, decide whether to re-record."""
+        for sid, (fut, _) in list(self.inflight.items()):
+            try:
+                fut.wait()
+                self.swapper.release(sid)
+            except BaseException:  # noqa: BLE001 - the read's error belongs to no one now; the file is unchanged
+                pass
+        self.inflight.clear()
+        done = self.stats
+        self.history.append(done)
+        self._drop_cache()
+        if self.recording:
+            self.recording = False
+            self._plan_reuse()
+        elif self.broken:
+            self.trace = []
+            self.recording = True
+        self.broken = False
+        self.pos = self.ahead = 0
+        self.stats = PrefetchStats(recorded=self.recording)
+        return done

@@ -1,0 +1,158 @@
+"""zero_init and gathered_parameters: build a model partitioned from the start, and see its full values.
+
+[Note: partition at construction]
+Inside `zero_init`, every nn.Module subclass's __init__ is wrapped. When the
+outermost __init__ of an instance returns, the parameters it owns directly
+(recurse=False) are handed to the ParamStore, which keeps this rank's shard
+(in RAM or in a swap file) and releases the rest. So at most one module's
+full parameters exist at a time, and a model bigger than RAM can be built.
+The values are exactly those of a normal build: the module's own
+initialisation runs unchanged, on the full tensor, with the same RNG calls in
+the same order. Code that re-initialises weights later (Hugging Face's
+`post_init` walks the model with `Module.apply`) sees full parameters:
+`apply` is wrapped too, gathering each module's parameters around the call
+and writing them back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+
+from infinity.engine.build import as_config, build_store
+from infinity.engine.comm import init_distributed
+from infinity.engine.params import ParamStatus, managed
+
+_active = threading.local()
+
+
+def current_store():
+    return getattr(_active, "store", None)
+
+
+def _subclasses(cls):
+    out, todo = set(), [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in out:
+                out.add(sub)
+                todo.append(sub)
+    return out
+
+
+@contextlib.contextmanager
+def zero_init(config=None):
+    """Partition the parameters of every module built inside the block (see [Note: partition at construction])."""
+    if current_store() is not None:
+        raise RuntimeError("infinity.zero_init: already inside a zero_init block; nest them not")
+    cfg = as_config(config)
+    comm = init_distributed()
+    store = build_store(cfg, comm)
+    store.config = cfg
+    patched = []
+
+    def wrap_init(orig):
+        @functools.wraps(orig)
+        def __init__(self, *args, **kwargs):
+            # Only the outermost __init__ of an instance partitions: a subclass may still change the
+            # parameters after its super().__init__() returns.
+            outer = "_infinity_building" not in self.__dict__
+            if outer:
+                self.__dict__["_infinity_building"] = True
+            try:
+                orig(self, *args, **kwargs)
+            finally:
+                if outer:
+                    del self.__dict__["_infinity_building"]
+            if outer:
+                _partition(store, self)
+        return __init__
+
+    for cls in _subclasses(torch.nn.Module):
+        if "__init__" in cls.__dict__:
+            orig = cls.__dict__["__init__"]
+            patched.append((cls, "__init__", orig))
+            cls.__init__ = wrap_init(orig)
+    orig_apply = torch.nn.Module.apply
+    patched.append((torch.nn.Module, "apply", orig_apply))
+    torch.nn.Module.apply = _gathering_apply(store, orig_apply)
+    _active.store = store
+    try:
+        yield store
+    finally:
+        _active.store = None
+        for cls, name, orig in reversed(patched):
+            setattr(cls, name, orig)
+
+
+def _partition(store, module) -> None:
+    for name, p in module.named_parameters(recurse=False):
+        if p is not None and managed(p) is None:
+            store.adopt(p, f"{type(module).__name__}.{name}")
+
+
+def _gathering_apply(store, orig_apply):
+    def apply(self, fn):
+        def gathered_fn(module):
+            params = [p for p in module.parameters(recurse=False) if managed(p) is not None]
+            if not params:
+                return fn(module)
+            with gathered_parameters(params, modifier_rank=0, store=store):
+                return fn(module)
+        return orig_apply(self, gathered_fn)
+    return apply
+
+
+@contextlib.contextmanager
+def gathered_parameters(params_or_module, modifier_rank: int | None = None, *, store=None):
+    """Full parameters inside the block. With modifier_rank=r, rank r's changes are kept (on every rank).
+
+    Changing parameters is allowed until `infinity.initialize` has built the
+    optimizer; after that the master weights are the optimizer's, and a
+    modification raises instead of being silently lost.
+    """
+    if isinstance(params_or_module, torch.nn.Module):
+        params = list(params_or_module.parameters())
+    elif isinstance(params_or_module, torch.nn.Parameter):
+        params = [params_or_module]
+    else:
+        params = list(params_or_module)
+    mps = []
+    seen = set()
+    for p in params:
+        mp = managed(p)
+        if mp is not None and id(mp) not in seen:
+            seen.add(id(mp))
+            mps.append(mp)
+    if not mps:
+        yield
+        return
+    st = store or mps[0].extra.get("store") or current_store()
+    if st is None:
+        raise RuntimeError("infinity.gathered_parameters: these parameters belong to no live store")
+    if modifier_rank is not None and st.frozen:
+        raise RuntimeError("infinity.gathered_parameters: modifier_rank is set, but initialize() already built the "
+                           "optimizer, whose fp32 master weights would not see the change; modify parameters "
+                           "inside zero_init, or before initialize()")
+    for mp in mps:
+        st.use(mp)
+    try:
+        yield
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for mp in mps:
+                    full = st.comm.broadcast_(mp.param.data.contiguous(), modifier_rank).reshape(-1)
+                    lo, hi = st.comm.rank * mp.part, min(mp.numel, (st.comm.rank + 1) * mp.part)
+                    shard = torch.zeros(mp.part, dtype=full.dtype)
+                    if hi > lo:
+                        shard[:hi - lo].copy_(full[lo:hi])
+                    st.write_shard(mp, shard, wait=True, keep_dtype=True)
+                    if mp.persistent:
+                        mp.param.data = full.view(mp.shape)
+    finally:
+        for mp in mps:
+            st.unuse(mp)
+        assert all(mp.persistent or mp.users or mp.status is ParamStatus.SHARDED for mp in mps)

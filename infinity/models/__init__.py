@@ -1,0 +1,3 @@
+from infinity.models.gpt import GPT, GPTConfig, PRESETS
+
+__all__ = ["GPT", "GPTConfig", "PRESETS"]
