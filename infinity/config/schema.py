@@ -176,6 +176,8 @@ class InfinityConfig:
     """Write a Chrome-trace JSON of every I/O and compute span here."""
     leftovers: str = spec("clear", choices=("clear", "reuse", "error"))
     """What to do with swap files left by a crashed run."""
+    comm_timeout_s: float = spec(300.0, low=1.0, high=86400.0)
+    """Seconds a collective may wait for the other ranks before the job fails (a dead or hung rank)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,6 +21,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed the flat-tensor collectives; keep working on either side of the rename.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class RankFailure(RuntimeError):
     """A collective failed: another rank died, hung past the timeout, or the group broke."""
 
@@ -41,7 +46,7 @@ class Comm:
         if self.world == 1:
             return shard
         out = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
-        self._run("all_gather", dist.all_gather_into_tensor, out, shard.contiguous())
+        self._run("all_gather", _ALL_GATHER, out, shard.contiguous())
         return out
 
     def reduce_scatter_mean(self, flat: torch.Tensor) -> torch.Tensor:
@@ -51,7 +56,7 @@ class Comm:
         part = flat.numel() // self.world
         if self.native_reduce_scatter:
             out = torch.empty(part, dtype=flat.dtype, device=flat.device)
-            self._run("reduce_scatter", dist.reduce_scatter_tensor, out, flat.contiguous())
+            self._run("reduce_scatter", _REDUCE_SCATTER, out, flat.contiguous())
         else:
             flat = flat.clone()
             self._run("all_reduce", dist.all_reduce, flat)

@@ -208,7 +208,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     from infinity.swap import SwapContext
 
     cfg = as_config(config)
-    comm = init_distributed()
+    comm = init_distributed(cfg.infinity.comm_timeout_s)
     store = next((managed(p).extra["store"] for p in model.parameters() if managed(p) is not None), None)
     if store is None:
         store = current_store() or build_store(cfg, comm)

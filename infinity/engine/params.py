@@ -195,21 +195,22 @@ class ParamStore:
 
     # -------------------------------------------------------- gather/release
 
-    def gather_full(self, mp: ManagedParam) -> torch.Tensor:
+    def gather_full(self, mp: ManagedParam, *, scheduled: bool = True) -> torch.Tensor:
         """The full parameter, in the compute dtype, on the compute device (a new tensor unless GATHERED)."""
         if mp.status is ParamStatus.GATHERED:
             return mp.param.data
-        shard = self.read_shard(mp, self.dtype).to(self.device, non_blocking=True)
+        shard = self.read_shard(mp, self.dtype, scheduled=scheduled).to(self.device, non_blocking=True)
         full = self.comm.all_gather(shard)
         if full is mp.shard:
             full = full.clone()  # one rank, RAM tier: never alias the shard the optimizer rewrites
         self.bytes_gathered += mp.numel * full.element_size()
         return full[:mp.numel].view(mp.shape)
 
-    def use(self, mp: ManagedParam) -> None:
-        """One more user of the full value; gathers it on the first."""
+    def use(self, mp: ManagedParam, *, scheduled: bool = True) -> None:
+        """One more user of the full value; gathers it on the first. Fetches outside forward/backward
+        (gathered_parameters) pass scheduled=False, so that they stay out of the prefetch trace."""
         if mp.users == 0 and mp.status is ParamStatus.SHARDED:
-            mp.gathered(self.gather_full(mp))
+            mp.gathered(self.gather_full(mp, scheduled=scheduled))
             self.live_elements += mp.numel
             self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
         mp.users += 1

@@ -58,6 +58,7 @@ class PrefetchScheduler:
         self.broken = False
         self.inflight: dict[str, tuple] = {}  # swap id -> (future, elements)
         self.cached = 0  # elements in the reuse cache
+        self._busy = None
         self.stats = PrefetchStats(recorded=True)
         self.history: list[PrefetchStats] = []
 
@@ -88,17 +89,22 @@ class PrefetchScheduler:
                 fut = hit[0]
             else:
                 fut = self.swapper.swap_in(sid)
-            self._prefetch()
-            t0 = time.perf_counter()
+            self._busy = sid  # its buffer is still ours: no prefetch of the same partition until released
             try:
-                view = fut.wait()
+                self._prefetch()
+                t0 = time.perf_counter()
+                try:
+                    view = fut.wait()
+                finally:
+                    st.stall_s += time.perf_counter() - t0
+                try:
+                    out = view.to(dtype, copy=True)
+                finally:
+                    self.swapper.release(sid)
             finally:
-                st.stall_s += time.perf_counter() - t0
-            try:
-                out = view.to(dtype, copy=True)
-            finally:
-                self.swapper.release(sid)
+                self._busy = None
             st.bytes_read += view.numel() * view.element_size()
+            self._prefetch()
         if j is not None and self.keep[j] and self._held() + mp.part <= self.bucket:
             mp.extra["reuse"] = out
             self.cached += mp.part
@@ -154,7 +160,7 @@ class PrefetchScheduler:
             sid = self.store._swap_id(mp, mp.extra["swap_dtype"])
             if self.reused[j]:
                 pass  # served from RAM
-            elif sid in self.inflight:
+            elif sid in self.inflight or sid == self._busy:
                 break  # an earlier use of the same shard is still in flight: one read per partition at a time
             else:
                 if mp.part > budget:

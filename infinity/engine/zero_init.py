@@ -49,7 +49,7 @@ def zero_init(config=None):
     if current_store() is not None:
         raise RuntimeError("infinity.zero_init: already inside a zero_init block; nest them not")
     cfg = as_config(config)
-    comm = init_distributed()
+    comm = init_distributed(cfg.infinity.comm_timeout_s)
     store = build_store(cfg, comm)
     store.config = cfg
     patched = []
@@ -138,7 +138,7 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None, *, s
                            "optimizer, whose fp32 master weights would not see the change; modify parameters "
                            "inside zero_init, or before initialize()")
     for mp in mps:
-        st.use(mp)
+        st.use(mp, scheduled=False)
     try:
         yield
         if modifier_rank is not None:

@@ -1,0 +1,156 @@
+"""Train the repo's small GPT with plain PyTorch or with the engine, and return the loss curve.
+
+Used by the parity tests (fp32 engine vs torch.optim.AdamW, 1 rank vs 2),
+and by `python -m infinity.testing.parity` (bench/gpu_check.sh) on CUDA.
+The data is a deterministic function of the step, so every run, and every
+rank, sees the same global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import sys
+
+import torch
+
+from infinity.models import GPT, GPTConfig
+
+MODEL = GPTConfig(vocab=256, seq=32, layers=2, dim=64, heads=4)
+LR, WD, CLIP = 1e-3, 0.01, 0.0
+
+
+def batch(step: int, size: int = 4, model: GPTConfig = MODEL):
+    """A global batch of `size` sequences from a repeating pattern (learnable, so the loss falls)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, model.vocab, (size, 1), generator=g)
+    stride = torch.randint(1, 7, (size, 1), generator=g)
+    seq = (start + stride * torch.arange(model.seq + 1)) % model.vocab
+    return seq[:, :-1], seq[:, 1:]
+
+
+def engine_config(tier: str = "none", nvme_path: str | None = None, **over) -> dict:
+    """A stage-3 config with every parameter partitioned (persistence 0) and small buffers."""
+    cfg = {"train_micro_batch_size_per_gpu": 4,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 40_000,
+                                 "stage3_prefetch_bucket_size": 60_000, "stage3_max_reuse_distance": 20_000,
+                                 "offload_param": {"device": tier}, "offload_optimizer": {"device": tier}}}
+    if tier == "nvme":
+        cfg["zero_optimization"]["offload_param"].update(nvme_path=nvme_path, buffer_count=4, buffer_size=20_000)
+        cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=3)
+    for key, value in over.items():
+        node = cfg
+        *path, last = key.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return cfg
+
+
+def torch_losses(steps: int, *, model: GPTConfig = MODEL, clip: float = CLIP, device="cpu") -> list[float]:
+    torch.manual_seed(0)
+    m = GPT(model).to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WD)
+    out = []
+    for s in range(steps):
+        x, y = batch(s, model=model)
+        loss = m(x.to(device), y.to(device))
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def engine_losses(cfg: dict, steps: int, *, model: GPTConfig = MODEL, use_zero_init: bool = True,
+                  gas: int = 1, overflow_at: int | None = None, reports: list | None = None) -> list[float]:
+    """Train with the engine; each rank takes its slice of the global batch. Returns the global mean losses."""
+    from infinity.engine import initialize, zero_init
+
+    cfg = copy.deepcopy(cfg)
+    cfg["gradient_accumulation_steps"] = gas
+    torch.manual_seed(0)
+    if use_zero_init:
+        with zero_init(cfg):
+            m = GPT(model)
+    else:
+        m = GPT(model)
+    engine = initialize(m, cfg)
+    rank, world = engine.rank, engine.world_size
+    out = []
+    try:
+        for s in range(steps):
+            x, y = batch(s, model=model)
+            per = x.shape[0] // (world * gas)
+            total = 0.0
+            for micro in range(gas):
+                lo = (micro * world + rank) * per
+                loss = engine(x[lo:lo + per], y[lo:lo + per])
+                if overflow_at == s:
+                    loss = loss * float("inf")
+                engine.backward(loss)
+                total += loss.item() / gas
+            engine.step()
+            t = torch.tensor([total])
+            engine.comm.all_reduce_(t)
+            out.append(t.item() / world)
+            if reports is not None:
+                reports.append(engine.last_report)
+    finally:
+        engine.close()
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, cfg: dict, steps: int, out_path: str, kwargs: dict) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        losses = engine_losses(cfg, steps, **kwargs)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(losses, f)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_losses(world: int, cfg: dict, steps: int, out_path: str, **kwargs) -> list[float]:
+    """engine_losses on `world` gloo ranks over 127.0.0.1 (torch.multiprocessing), rank 0's result."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(world, free_port(), cfg, steps, out_path, kwargs), nprocs=world, join=True)
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> int:
+    """GPU check: fp32 parity of the engine (offload none, cpu) against torch on the current device."""
+    steps = 20
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = torch_losses(steps, device=device)
+    worst = 0.0
+    for tier in ("none", "cpu"):
+        got = engine_losses(engine_config(tier), steps)
+        err = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
+        worst = max(worst, err)
+        print(f"{device} offload={tier}: first {got[0]:.6f} last {got[-1]:.6f} max rel err vs torch {err:.2e}")
+    print("PASS" if worst <= 1e-5 else "FAIL")
+    return 0 if worst <= 1e-5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
