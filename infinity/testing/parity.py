@@ -154,3 +154,60 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _dying_rank_main(rank: int, world: int, port: int, cfg: dict, die_at: int, out_path: str, how: str) -> None:
+    """Rank `world - 1` dies (os._exit) or hangs mid-run at step `die_at`; rank 0 records how it ended."""
+    import time
+
+    from infinity.engine import initialize
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    engine = initialize(GPT(MODEL), cfg)
+    t0 = None
+    try:
+        for s in range(die_at + 5):
+            x, y = batch(s)
+            if s == die_at:
+                if rank == world - 1:
+                    if how == "hang":
+                        time.sleep(3600)  # alive but stuck: only the timeout can tell
+                    os._exit(3)  # no cleanup at all, like a SIGKILL or an OOM kill
+                t0 = time.monotonic()
+            loss = engine(x[rank::world], y[rank::world])
+            engine.backward(loss)
+            engine.step()
+        result = {"error": None}
+    except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
+        result = {"error": type(exc).__name__, "message": str(exc),
+                  "seconds": None if t0 is None else time.monotonic() - t0}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    os._exit(0)
+
+
+def run_with_a_dying_rank(cfg: dict, out_path: str, *, world: int = 2, die_at: int = 2, timeout_s: float = 120,
+                          how: str = "exit"):
+    """Start `world` ranks as separate processes; the last dies (or hangs) at step `die_at`. Rank 0's record."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_dying_rank_main, args=(r, world, port, cfg, die_at, out_path, how)) for r in range(world)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout_s)
+    for p in procs[1:]:
+        p.join(1 if how == "hang" else timeout_s)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    with open(out_path) as f:
+        record = json.load(f)
+    record["hung"] = procs[0] in alive
+    return record
