@@ -1,4 +1,4 @@
-"""The `infinity` command: info, bench io, bench adam, bench swap."""
+"""The `infinity` command: info, bench io|adam|swap|train."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     from infinity.bench import swap as bench_swap
 
     bench_swap.add_arguments(bsub.add_parser("swap", help="NVMe-offloaded optimizer step vs the I/O lower bound"))
+    from infinity.bench import train as bench_train
+
+    bench_train.add_arguments(bsub.add_parser("train", help="training step on NVMe vs the same model in RAM"))
     return p
 
 
@@ -55,6 +58,10 @@ def _dispatch(args) -> int:
         from infinity.bench import swap as bench_swap
 
         return bench_swap.run(args)
+    if args.cmd == "bench" and args.what == "train":
+        from infinity.bench import train as bench_train
+
+        return bench_train.run(args)
     return 2
 
 

@@ -115,10 +115,9 @@ class ShardedAdam(torch.optim.Optimizer):
         flag = torch.tensor([0.0 if _finite(grads) else 1.0])
         if self.comm.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX).item() > 0:
             return True, float("inf"), StepStats(skipped=True)
-        sq = torch.zeros(1, dtype=torch.float64)
-        for g in grads:
-            if g.numel():
-                sq += torch.linalg.vector_norm(g, dtype=torch.float64).cpu() ** 2
+        # fp32 norms per group, summed in fp64: a fp64 norm would convert every gradient first.
+        sq = torch.tensor([sum(float(torch.linalg.vector_norm(g)) ** 2 for g in grads if g.numel())],
+                          dtype=torch.float64)
         norm = math.sqrt(self.comm.all_reduce_(sq).item()) / loss_scale
         coef = 1.0
         if max_norm > 0:

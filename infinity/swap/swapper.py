@@ -9,6 +9,14 @@ leftovers of a crashed run: `leftovers="clear"` removes them, `"reuse"`
 registers every file whose header parses (its checksum is verified on first
 read), `"error"` refuses to start. A clean close removes the directory.
 
+[Note: header last]
+A swap-out submits only the data write on the caller's thread. The reaper
+then computes the CRC-32C of the buffer while that write is in flight (both
+only read the buffer), and submits the header once the CRC is known. So the
+checksum costs the step thread nothing. A crash can land between the two
+writes either way round; the header then does not match the data, and the
+next read reports the corruption.
+
 [Note: who releases a swap-out buffer]
 A swap-out hands its pool buffer to the write. The swapper's reaper thread
 waits for the write and then, on success, returns the buffer to the pool
@@ -96,6 +104,8 @@ class TensorSwapper:
             self._unclaim()
             raise
         self._reaps: queue.Queue = queue.Queue()
+        self._headers: list = []  # 4 KiB aligned header buffers, reused by the reaper
+        self._header_of: dict = {}
         self._reaper = threading.Thread(target=self._reap_loop, name="infinity-swap-reaper", daemon=True)
         self._reaper.start()
         self.bytes_written = 0
@@ -210,18 +220,19 @@ class TensorSwapper:
         return self._write(part, buf)
 
     def _write(self, part: Partition, buf) -> SwapFuture:
-        """Submit the write of a partition already in WRITING; on failure it goes back to IN_CPU."""
+        """Submit the data write of a partition already in WRITING; on failure it goes back to IN_CPU.
+
+        The checksum and the header are the reaper's job (see [Note: header last]).
+        """
         try:
-            crc = crc32c(buf.tensor, part.nbytes) if self.checksums else None
-            path = self.path_of(part.id)
-            futs = [self.aio.pwrite(buf.tensor, path, HEADER, nbytes=part.nbytes)]
-            futs.append(self.aio.pwrite(_header(part, crc), path, 0))
+            _header_text(part, 0xFFFFFFFF)  # an id too long for the header fails here, not in the reaper
+            futs = [self.aio.pwrite(buf.tensor, self.path_of(part.id), HEADER, nbytes=part.nbytes)]
         except BaseException:
             with self._lock:
                 part.fail_write()
             raise
         out = SwapFuture(f"write {part.id}")
-        self._reaps.put(("out", part, futs, crc, out))
+        self._reaps.put(("out", part, futs, None, out))
         return out
 
     def _partition_for(self, part_id: str, dtype: torch.dtype, numel: int) -> Partition:
@@ -311,11 +322,16 @@ class TensorSwapper:
                 out._set()
                 continue
             error = None
+            if kind == "out":
+                futs, crc, error = self._write_header(part, futs)
             for fut in futs:
                 try:
                     fut.wait()
                 except BaseException as exc:  # noqa: BLE001 - the reaper must never die
                     error = error or exc
+                head = self._header_of.pop(id(fut), None)
+                if head is not None:
+                    self._headers.append(head)
             try:
                 if kind == "out":
                     self._finish_out(part, crc, error, out)
@@ -324,6 +340,20 @@ class TensorSwapper:
             except BaseException as exc:  # noqa: BLE001
                 if not out.done():
                     out._set(None, exc)
+
+    def _write_header(self, part: Partition, futs: list):
+        """While the data write is in flight: checksum the buffer, then write the header (see the note)."""
+        try:
+            crc = crc32c(part.buffer.tensor, part.nbytes) if self.checksums else None
+            head = self._headers.pop() if self._headers else aligned_empty(HEADER, pin=False)
+            text = _header_text(part, crc)
+            head.fill_(ord(" "))
+            head[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+            fut = self.aio.pwrite(head, self.path_of(part.id), 0)
+            self._header_of[id(fut)] = head
+            return futs + [fut], crc, None
+        except BaseException as exc:  # noqa: BLE001 - reported through the swap's future
+            return futs, None, exc
 
     def _finish_out(self, part: Partition, crc, error, out: SwapFuture) -> None:
         with self._lock:
@@ -395,16 +425,13 @@ class TensorSwapper:
         self.close()
 
 
-def _header(part: Partition, crc) -> torch.Tensor:
+def _header_text(part: Partition, crc) -> bytes:
     text = json.dumps({"magic": "infinity-swap", "version": 1, "id": part.id,
                        "dtype": str(part.dtype).replace("torch.", ""), "numel": part.numel, "nbytes": part.nbytes,
                        "crc32c": crc}).encode()
     if len(text) > HEADER:
         raise ValueError(f"partition id {part.id!r} is too long for the swap-file header")
-    buf = aligned_empty(HEADER, pin=False)
-    buf.fill_(ord(" "))
-    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    return buf
+    return text
 
 
 def _alive(pid: int) -> bool:
