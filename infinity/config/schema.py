@@ -176,6 +176,9 @@ class InfinityConfig:
     """Write a Chrome-trace JSON of every I/O and compute span here."""
     leftovers: str = spec("clear", choices=("clear", "reuse", "error"))
     """What to do with swap files left by a crashed run."""
+    step_during_backward: bool = spec(True)
+    """Step each optimizer sub-group as soon as its gradients are final, overlapping backward (off with
+    gradient_clipping or fp16, which need every gradient first)."""
     comm_timeout_s: float = spec(300.0, low=1.0, high=86400.0)
     """Seconds a collective may wait for the other ranks before the job fails (a dead or hung rank)."""
 

@@ -85,6 +85,8 @@ class Engine:
         self.reports: list[StepReport] = []
         self._t_last = time.perf_counter()
         self._fetch_stats = []
+        self._overlapped = None  # the result of a step taken during backward, for step() to report
+        self._param_written_mark = self._param_bytes_written()
         self._closed = False
 
     @property
@@ -115,11 +117,24 @@ class Engine:
         if loss.numel() != 1:
             raise ValueError(f"Engine.backward: loss must be a scalar, got shape {tuple(loss.shape)}")
         scaled = loss.float() * (self.scaler.scale / self.gas)
-        with self.hooks.saved_tensors():
-            scaled.backward()
+        overlap = self._can_step_during_backward() and (self.micro_steps + 1) % self.gas == 0
+        if overlap:
+            self.optimizer.begin_overlapped_step()
+        try:
+            with self.hooks.saved_tensors():
+                scaled.backward()
+            if overlap:
+                self._overlapped = self.optimizer.end_overlapped_step()
+        finally:
+            self.optimizer.overlapping = False
         self.micro_steps += 1
         if self.store.scheduler is not None:
             self._fetch_stats.append(self.store.scheduler.drain())
+
+    def _can_step_during_backward(self) -> bool:
+        """See [Note: stepping during backward] in optimizer.py."""
+        return (self.config.infinity.step_during_backward and self.config.gradient_clipping == 0
+                and not self.config.fp16.enabled)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.micro_steps > 0 and self.micro_steps % self.gas == 0
@@ -130,10 +145,12 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             return False
         t0 = time.perf_counter()
-        swapper = self.store.swap.swapper if self.store.swap is not None else None
-        written0 = swapper.bytes_written if swapper is not None else 0
-        overflow, norm, stats = self.optimizer.step(loss_scale=self.scaler.scale,
-                                                    max_norm=self.config.gradient_clipping)
+        if self._overlapped is not None:
+            overflow, norm, stats = self._overlapped
+            self._overlapped = None
+        else:
+            overflow, norm, stats = self.optimizer.step(loss_scale=self.scaler.scale,
+                                                        max_norm=self.config.gradient_clipping)
         self.scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
@@ -151,12 +168,17 @@ class Engine:
             param_stall_s=sum(s.stall_s for s in fs), optimizer_io_wait_s=stats.io_wait_s,
             param_read_bytes=sum(s.bytes_read for s in fs), optimizer_read_bytes=stats.bytes_read,
             optimizer_write_bytes=stats.bytes_written,
-            param_write_bytes=(swapper.bytes_written - written0) if swapper is not None else 0,
+            param_write_bytes=self._param_bytes_written() - self._param_written_mark,
             peak_live_elements=self.store.peak_live_elements))
         self._fetch_stats = []
+        self._param_written_mark = self._param_bytes_written()
         self.store.peak_live_elements = self.store.live_elements
         self._t_last = t1
         return not overflow
+
+    def _param_bytes_written(self) -> int:
+        swap = self.store.swap
+        return swap.swapper.bytes_written if swap is not None else 0
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()

@@ -7,9 +7,22 @@ steps at once: one flat fp32 gradient buffer (the `grad` view of each
 ManagedParam points into it), and one master/exp_avg/exp_avg_sq triple,
 either as tensors in RAM (offload_optimizer none or cpu) or as one
 [param | exp_avg | exp_avg_sq] swap partition (nvme, via OptimizerSwapper).
-
 After each group's Adam the new weights go straight to the parameter store
 (`publish`), in the compute dtype the kernel wrote in the same pass.
+
+[Note: stepping during backward]
+A group's gradient is final once every one of its parameters has had its
+post-accumulate-grad hook in the last micro-batch's backward. When nothing
+needs all gradients at once (no clipping, no fp16 overflow check), the
+group is stepped right then, while backward goes on with the layers below:
+its state is read when its first gradient lands, and its gradient buffer is
+freed after the step. So the optimizer's I/O overlaps backward compute, and
+only the groups still receiving gradients hold a gradient buffer. A
+parameter cannot be needed again after its gradient is final, so writing
+its new shard mid-backward is safe; a second gradient for a group already
+stepped (reentrant checkpointing that shares a parameter with code outside
+the checkpoint) is an error. With clipping or fp16, the step runs after
+backward, over all groups, from gradients kept in RAM.
 
 It subclasses torch.optim.Optimizer only so that torch's lr schedulers can
 drive `param_groups[0]["lr"]`; its state lives in the groups, not in `state`.
@@ -28,9 +41,11 @@ from infinity.swap.telemetry import StepStats
 
 
 class _Group:
-    __slots__ = ("params", "offsets", "numel", "grad", "master", "exp_avg", "exp_avg_sq")
+    __slots__ = ("index", "params", "offsets", "numel", "grad", "master", "exp_avg", "exp_avg_sq", "waiting",
+                 "stepped")
 
-    def __init__(self, params):
+    def __init__(self, index, params):
+        self.index = index
         self.params = params
         self.offsets = []
         off = 0
@@ -39,6 +54,8 @@ class _Group:
             off += mp.part
         self.numel = off
         self.grad = self.master = self.exp_avg = self.exp_avg_sq = None
+        self.waiting = 0
+        self.stepped = False
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -55,17 +72,19 @@ class ShardedAdam(torch.optim.Optimizer):
         self.tier = cfg.zero_optimization.offload_optimizer.device
         self.step_count = 0
         self.groups = self._plan(store.params, cfg.zero_optimization.sub_group_size)
-        grad_device = store.device if self.tier == "none" else torch.device("cpu")
+        self.group_of = {id(mp): g for g in self.groups for mp in g.params}
+        self.grad_device = store.device if self.tier == "none" else torch.device("cpu")
         self.lowp = None
         if store.dtype != torch.float32:
             biggest = max((g.numel for g in self.groups), default=0)
             self.lowp = torch.empty(biggest, dtype=store.dtype)
-        for g in self.groups:
-            g.grad = torch.zeros(g.numel, dtype=torch.float32, device=grad_device)
-            for mp, off in zip(g.params, g.offsets):
-                mp.grad = g.grad[off:off + mp.part]
         self.swap = swap
         self.swapper = None
+        self.overlapping = False
+        self._overlap_stats = None
+        self._overlap_sq = 0.0
+        store.grad_for = self.grad_for
+        store.grad_ready = self.grad_ready
         self._init_state()
 
     @staticmethod
@@ -73,12 +92,12 @@ class ShardedAdam(torch.optim.Optimizer):
         groups, cur, size = [], [], 0
         for mp in params:
             if cur and size + mp.part > sub_group_size:
-                groups.append(_Group(cur))
+                groups.append(_Group(len(groups), cur))
                 cur, size = [], 0
             cur.append(mp)
             size += mp.part
         if cur:
-            groups.append(_Group(cur))
+            groups.append(_Group(len(groups), cur))
         return groups
 
     def _init_state(self) -> None:
@@ -99,11 +118,88 @@ class ShardedAdam(torch.optim.Optimizer):
                 g.master = master.to(dev)
                 g.exp_avg = torch.zeros_like(g.master)
                 g.exp_avg_sq = torch.zeros_like(g.master)
-            self._publish(g, master, wait=False)
+            self._publish(g, master)
         self._flush()
         store.refresh_persistent()
 
-    # ------------------------------------------------------------------ step
+    # ----------------------------------------------------------- gradients
+
+    def grad_for(self, mp) -> torch.Tensor:
+        """The fp32 gradient shard of `mp`, allocating its group's buffer on first use."""
+        g = self.group_of[id(mp)]
+        if g.stepped:
+            raise RuntimeError(f"infinity: parameter {mp.name} received a gradient after its group was stepped; "
+                               "see [Note: stepping during backward] (use non-reentrant activation checkpointing, "
+                               "or set gradient_clipping to keep the step after backward)")
+        if g.grad is None:
+            g.grad = torch.zeros(g.numel, dtype=torch.float32, device=self.grad_device)
+            for p, off in zip(g.params, g.offsets):
+                p.grad = g.grad[off:off + p.part]
+            if self.overlapping and self.swapper is not None:
+                self.swapper.prefetch_group(g.index)
+        return mp.grad
+
+    def grad_ready(self, mp) -> None:
+        """A parameter's gradient for this backward has been added (see [Note: stepping during backward])."""
+        if not self.overlapping:
+            return
+        g = self.group_of[id(mp)]
+        g.waiting -= 1
+        if g.waiting == 0:
+            self._step_now(g)
+
+    def _grads(self) -> list[torch.Tensor]:
+        for g in self.groups:
+            if g.grad is None:  # no parameter of the group had a gradient
+                g.grad = torch.zeros(g.numel, dtype=torch.float32, device=self.grad_device)
+                for p, off in zip(g.params, g.offsets):
+                    p.grad = g.grad[off:off + p.part]
+        return [g.grad for g in self.groups]
+
+    # ----------------------------------------------- step during backward
+
+    def begin_overlapped_step(self) -> None:
+        """Before the last micro-batch's backward: step each group as soon as its gradient is final."""
+        self.overlapping = True
+        self.step_count += 1
+        self._overlap_hyper = dict(self.hyper, step=self.step_count, lr=float(self.param_groups[0]["lr"]),
+                                   grad_scale=1.0)
+        self._overlap_stats = StepStats()
+        self._overlap_sq = 0.0
+        for g in self.groups:
+            g.waiting = len(g.params)
+            g.stepped = False
+
+    def _step_now(self, g: _Group) -> None:
+        self._overlap_sq += float(torch.linalg.vector_norm(g.grad)) ** 2
+        self._step_group(g, self._overlap_hyper, self._overlap_stats)
+        g.stepped = True
+        g.grad = None
+        for mp in g.params:
+            mp.grad = None
+
+    def end_overlapped_step(self):
+        """After backward: step groups some parameter of which got no gradient; wait for the writes.
+
+        Returns (overflowed=False, grad_norm, StepStats), like step().
+        """
+        try:
+            for g in self.groups:
+                if not g.stepped:
+                    self._grads()
+                    self._step_now(g)
+            if self.swapper is not None:
+                self.swapper.finish_groups(self._overlap_stats)
+        finally:
+            self.overlapping = False
+            for g in self.groups:
+                g.stepped = False
+        self._flush()
+        self.store.refresh_persistent()
+        sq = torch.tensor([self._overlap_sq], dtype=torch.float64)
+        return False, math.sqrt(self.comm.all_reduce_(sq).item()), self._overlap_stats
+
+    # ------------------------------------------------------ step after backward
 
     @torch.no_grad()
     def step(self, closure=None, *, loss_scale: float = 1.0, max_norm: float = 0.0):
@@ -111,7 +207,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
         Returns (overflowed, grad_norm, StepStats). An overflow anywhere skips the step everywhere.
         """
-        grads = [g.grad for g in self.groups]
+        grads = self._grads()
         flag = torch.tensor([0.0 if _finite(grads) else 1.0])
         if self.comm.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX).item() > 0:
             return True, float("inf"), StepStats(skipped=True)
@@ -125,12 +221,12 @@ class ShardedAdam(torch.optim.Optimizer):
         self.step_count += 1
         hyper = dict(self.hyper, step=self.step_count, lr=float(self.param_groups[0]["lr"]),
                      grad_scale=loss_scale / coef)
-        stats = self._step_groups(grads, hyper)
+        stats = self._step_all(grads, hyper)
         self._flush()
         self.store.refresh_persistent()
         return False, norm, stats
 
-    def _step_groups(self, grads, hyper) -> StepStats:
+    def _step_all(self, grads, hyper) -> StepStats:
         if self.swapper is not None:
             lowps = None if self.lowp is None else [self.lowp[:g.numel] for g in self.groups]
             return self.swapper.step(grads, check_finite=False, out_lowp=lowps,
@@ -138,22 +234,28 @@ class ShardedAdam(torch.optim.Optimizer):
                                      **hyper)
         stats = StepStats()
         for g in self.groups:
-            if g.master.device.type == "cpu":
-                lowp = None if self.lowp is None else self.lowp[:g.numel]
-                cpu_adam_step(g.master, g.grad, g.exp_avg, g.exp_avg_sq, out_lowp=lowp, check_finite=False, **hyper)
-                self._publish(g, g.master, lowp)
-            else:
-                _device_adam(g, **hyper)
-                self._publish(g, g.master, None)
+            self._step_group(g, hyper, stats)
         return stats
 
-    def _publish(self, g: _Group, master: torch.Tensor, lowp: torch.Tensor | None = None, *, wait=False):
+    def _step_group(self, g: _Group, hyper: dict, stats: StepStats) -> None:
+        lowp = None if self.lowp is None else self.lowp[:g.numel]
+        if self.swapper is not None:
+            self.swapper.step_group(g.index, g.grad, stats, out_lowp=lowp,
+                                    on_updated=lambda i, p: self._publish(g, p, lowp), **hyper)
+        elif g.master.device.type == "cpu":
+            cpu_adam_step(g.master, g.grad, g.exp_avg, g.exp_avg_sq, out_lowp=lowp, check_finite=False, **hyper)
+            self._publish(g, g.master, lowp)
+        else:
+            _device_adam(g, **hyper)
+            self._publish(g, g.master, None)
+
+    def _publish(self, g: _Group, master: torch.Tensor, lowp: torch.Tensor | None = None):
         src = lowp if lowp is not None else master
         for mp, off in zip(g.params, g.offsets):
             values = src[off:off + mp.part]
             if mp.shard is not None and mp.shard.data_ptr() == values.data_ptr():
                 continue
-            self.store.write_shard(mp, values, wait=wait)
+            self.store.write_shard(mp, values)
 
     def _flush(self) -> None:
         if self.store.tier == "nvme":
@@ -161,7 +263,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         for g in self.groups:
-            g.grad.zero_()
+            if g.grad is not None:
+                g.grad.zero_()
         for mp in self.store.params:
             mp.param.grad = None
 

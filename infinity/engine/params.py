@@ -102,6 +102,8 @@ class ParamStore:
         self.peak_live_elements = 0
         self.bytes_gathered = 0
         self.frozen = False  # set by initialize(): from then on the optimizer owns the master weights
+        self.grad_for = None  # set by the optimizer: mp -> its fp32 gradient shard
+        self.grad_ready = None  # set by the optimizer: called once mp's gradient of this backward is added
 
     # ------------------------------------------------------------ partition
 
@@ -243,14 +245,15 @@ class ParamStore:
         mp = managed(param)
         g = param.grad
         param.grad = None
-        if g is None or mp.grad is None:
+        if g is None or self.grad_for is None:
             return
         flat = g.reshape(-1).to(torch.float32)
         pad = mp.part * self.comm.world - mp.numel
         if pad:
             flat = torch.nn.functional.pad(flat, (0, pad))
         mine = self.comm.reduce_scatter_mean(flat)
-        mp.grad.add_(mine.to(mp.grad.device))
+        self.grad_for(mp).add_(mine.to(self.grad_for(mp).device))
+        self.grad_ready(mp)
 
     def close(self) -> None:
         if self.scheduler is not None:

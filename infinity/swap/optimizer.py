@@ -30,6 +30,8 @@ class OptimizerSwapper:
         self.numels = list(numels)
         self.ids = [f"{name}/g{i}" for i in range(len(numels))]
         self.trace = trace
+        self._reads: dict = {}  # step_group's prefetched reads
+        self._writes: list = []  # step_group's writes in flight
 
     def initialize(self, index: int, param: torch.Tensor) -> None:
         """Write a group's starting state: the fp32 weights and zero moments."""
@@ -120,6 +122,60 @@ class OptimizerSwapper:
         stats.bytes_read = stats.bytes_written = 12 * sum(self.numels)
         stats.wall_s = time.perf_counter() - t_start
         return stats
+
+    # ------------------------------------------------ one group at a time
+
+    def prefetch_group(self, index: int) -> None:
+        """Start reading a group's state if a buffer is free (never waits); step_group picks it up."""
+        if index in self._reads:
+            return
+        fut = self.swapper.swap_in(self.ids[index], prefetch=True, reserve=1)
+        if fut is not None:
+            self._reads[index] = fut
+
+    def step_group(self, index: int, grad: torch.Tensor, stats: StepStats, *, out_lowp=None, on_updated=None,
+                   **hyper) -> None:
+        """Adam on one group now (reading its state if no prefetch did); its write is waited for by finish_groups.
+
+        This is the path of a step that runs during backward, group by group as
+        their gradients become final (see infinity.engine.optimizer).
+        """
+        n = self.numels[index]
+        sw = self.swapper
+        t0 = time.perf_counter()
+        fut = self._reads.pop(index, None) or sw.swap_in(self.ids[index])
+        state = fut.wait()
+        t1 = time.perf_counter()
+        try:
+            cpu_adam_step(state[:n], grad, state[n:2 * n], state[2 * n:], out_lowp=out_lowp, check_finite=False,
+                          **hyper)
+            if on_updated is not None:
+                on_updated(index, state[:n])
+        except BaseException:
+            sw.release(self.ids[index])  # the file still holds the state from before this step
+            raise
+        t2 = time.perf_counter()
+        self._writes.append(sw.swap_out(self.ids[index], state))
+        stats.io_wait_s += t1 - t0
+        stats.compute_s += t2 - t1
+        stats.bytes_read += 12 * n
+        stats.bytes_written += 12 * n
+
+    def finish_groups(self, stats: StepStats) -> None:
+        """Wait for the writes step_group started, and drop reads nobody stepped; raise the first error."""
+        t0 = time.perf_counter()
+        writes, self._writes = self._writes, []
+        reads, self._reads = self._reads, {}
+        self._abandon(reads, [])
+        first = None
+        for w in writes:
+            try:
+                w.wait()
+            except BaseException as exc:  # noqa: BLE001
+                first = first or exc
+        stats.io_wait_s += time.perf_counter() - t0
+        if first is not None:
+            raise first
 
     def _abandon(self, reads: dict, writes: list) -> None:
         """After a failure: let in-flight swaps finish and hand every buffer back."""
