@@ -37,6 +37,7 @@ def build_store(cfg: Config, comm: Comm) -> ParamStore:
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
     store = ParamStore(comm, tier=tier, dtype=compute_dtype(cfg), device=compute_device(), persistence=persistence,
                        stage=zero.stage, swap=swap)
+    store.max_live = zero.stage3_max_live_parameters
     if tier == "nvme":
         store.scheduler = PrefetchScheduler(store, zero.stage3_prefetch_bucket_size,
                                             zero.stage3_max_reuse_distance)

@@ -19,6 +19,7 @@ from infinity.engine.build import as_config, build_store
 from infinity.engine.comm import init_distributed
 from infinity.engine.hooks import ParamHooks
 from infinity.engine.loss_scaler import LossScaler
+from infinity.engine.memory import return_freed_memory_to_os
 from infinity.engine.optimizer import ShardedAdam
 from infinity.engine.params import ParamStore, managed
 from infinity.engine.zero_init import current_store
@@ -230,6 +231,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     from infinity.swap import SwapContext
 
     cfg = as_config(config)
+    return_freed_memory_to_os()
     comm = init_distributed(cfg.infinity.comm_timeout_s)
     store = next((managed(p).extra["store"] for p in model.parameters() if managed(p) is not None), None)
     if store is None:

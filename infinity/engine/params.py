@@ -98,6 +98,7 @@ class ParamStore:
         self.swap = swap  # SwapContext-like: .pool, .swapper (tier nvme only)
         self.scheduler = scheduler
         self.params: list[ManagedParam] = []
+        self.max_live = 1 << 62  # stage3_max_live_parameters (build_store sets it)
         self.live_elements = 0
         self.peak_live_elements = 0
         self.bytes_gathered = 0

@@ -9,9 +9,10 @@ full parameters exist at a time, and a model bigger than RAM can be built.
 The values are exactly those of a normal build: the module's own
 initialisation runs unchanged, on the full tensor, with the same RNG calls in
 the same order. Code that re-initialises weights later (Hugging Face's
-`post_init` walks the model with `Module.apply`) sees full parameters:
-`apply` is wrapped too, gathering each module's parameters around the call
-and writing them back.
+`post_init`) sees full parameters: `Module.apply`, and Hugging Face's
+per-module `PreTrainedModel._initialize_weights` when transformers is
+imported, are wrapped too, gathering each module's parameters around the
+call and writing them back.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from infinity.engine.build import as_config, build_store
 from infinity.engine.comm import init_distributed
+from infinity.engine.memory import return_freed_memory_to_os
 from infinity.engine.params import ParamStatus, managed
 
 _active = threading.local()
@@ -49,6 +51,7 @@ def zero_init(config=None):
     if current_store() is not None:
         raise RuntimeError("infinity.zero_init: already inside a zero_init block; nest them not")
     cfg = as_config(config)
+    return_freed_memory_to_os()
     comm = init_distributed(cfg.infinity.comm_timeout_s)
     store = build_store(cfg, comm)
     store.config = cfg
@@ -79,6 +82,11 @@ def zero_init(config=None):
     orig_apply = torch.nn.Module.apply
     patched.append((torch.nn.Module, "apply", orig_apply))
     torch.nn.Module.apply = _gathering_apply(store, orig_apply)
+    hf = _hf_pretrained_model()
+    if hf is not None and "_initialize_weights" in hf.__dict__:
+        orig_hf = hf.__dict__["_initialize_weights"]
+        patched.append((hf, "_initialize_weights", orig_hf))
+        hf._initialize_weights = _gathering_method(store, orig_hf)
     _active.store = store
     try:
         yield store
@@ -104,6 +112,33 @@ def _gathering_apply(store, orig_apply):
                 return fn(module)
         return orig_apply(self, gathered_fn)
     return apply
+
+
+def _hf_pretrained_model():
+    """transformers.PreTrainedModel, if the user's program has imported transformers (we never import it)."""
+    import sys
+
+    mod = sys.modules.get("transformers.modeling_utils")
+    return getattr(mod, "PreTrainedModel", None)
+
+
+def _gathering_method(store, orig):
+    """Wrap `orig(self, module, ...)` so that `module`'s parameters are full (and kept) during the call.
+
+    Hugging Face's per-module init also re-initialises children (GPT-2 scales
+    its attention's c_proj), so the whole subtree is gathered when it fits
+    in stage3_max_live_parameters, else the module's own parameters only.
+    """
+    @functools.wraps(orig)
+    def method(self, module, *args, **kwargs):
+        params = [p for p in module.parameters() if managed(p) is not None]
+        if sum(p.numel() for p in params) > store.max_live:
+            params = [p for p in module.parameters(recurse=False) if managed(p) is not None]
+        if not params:
+            return orig(self, module, *args, **kwargs)
+        with gathered_parameters(params, modifier_rank=0, store=store):
+            return orig(self, module, *args, **kwargs)
+    return method
 
 
 @contextlib.contextmanager

@@ -211,3 +211,76 @@ def run_with_a_dying_rank(cfg: dict, out_path: str, *, world: int = 2, die_at: i
         record = json.load(f)
     record["hung"] = procs[0] in alive
     return record
+
+
+def _peak_rss_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak RSS, to the current RSS
+
+
+def _vm(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def memory_run(nvme_path: str, steps: int = 3, layers: int = 16) -> dict:
+    """Train a model whose fp32 state is several times the swap buffers, all on NVMe; measure peak RSS.
+
+    Returns the state and pool sizes and the peak RSS over the RSS before the model existed.
+    """
+    from infinity.engine import initialize, zero_init
+
+    model = GPTConfig(vocab=1024, seq=64, layers=layers, dim=256, heads=4)
+    largest = 4 * model.dim * model.dim
+    cfg = engine_config("nvme", nvme_path, **{
+        "zero_optimization.sub_group_size": largest, "zero_optimization.stage3_prefetch_bucket_size": 2 * largest,
+        "zero_optimization.stage3_max_reuse_distance": 0, "zero_optimization.offload_param.buffer_size": largest,
+        "zero_optimization.offload_param.buffer_count": 4, "zero_optimization.offload_optimizer.buffer_count": 3})
+    torch.manual_seed(0)
+    x, y = batch(0, size=2, model=model)
+    import gc
+
+    # torch.optim.Optimizer's first construction imports torch._dynamo (~70 MB, once per process): that is
+    # interpreter baseline, not the engine's, so it happens before the baseline is read.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    gc.collect()
+    _peak_rss_reset()
+    baseline = _vm("VmRSS")
+    with zero_init(cfg):
+        m = GPT(model)
+    engine = initialize(m, cfg)
+    numel = sum(mp.numel for mp in engine.store.params)
+    pool = engine.store.swap.pool.nbytes + engine.optimizer.swap.pool.nbytes
+    losses = []
+    try:
+        for s in range(steps):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        engine.close()
+    return {"numel": numel, "state_bytes": 16 * numel, "pool_bytes": pool, "baseline_rss": baseline,
+            "peak_over_baseline": _vm("VmHWM") - baseline, "losses": losses}
+
+
+def _memory_main(nvme_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    with open(out_path, "w") as f:
+        json.dump(memory_run(nvme_path), f)
+
+
+def memory_run_in_child(nvme_path: str, out_path: str) -> dict:
+    """memory_run in a fresh process, so that no earlier test's memory is in its peak."""
+    import multiprocessing
+
+    p = multiprocessing.get_context("spawn").Process(target=_memory_main, args=(nvme_path, out_path))
+    p.start()
+    p.join(300)
+    if p.exitcode != 0:
+        raise RuntimeError(f"memory_run child exited with {p.exitcode}")
+    with open(out_path) as f:
+        return json.load(f)
