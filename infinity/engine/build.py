@@ -38,6 +38,7 @@ def build_store(cfg: Config, comm: Comm) -> ParamStore:
     store = ParamStore(comm, tier=tier, dtype=compute_dtype(cfg), device=compute_device(), persistence=persistence,
                        stage=zero.stage, swap=swap)
     store.max_live = zero.stage3_max_live_parameters
+    store.reduce_bucket = zero.reduce_bucket_size
     if tier == "nvme":
         store.scheduler = PrefetchScheduler(store, zero.stage3_prefetch_bucket_size,
                                             zero.stage3_max_reuse_distance)

@@ -63,6 +63,16 @@ class Comm:
             out = flat[self.rank * part:(self.rank + 1) * part]
         return out.div_(self.world)
 
+    def reduce_scatter_mean_async(self, flat: torch.Tensor) -> "Pending":
+        """Start reduce_scatter_mean; `.wait()` on the result gives this rank's slice (see reduce_scatter_mean)."""
+        part = flat.numel() // self.world
+        if self.native_reduce_scatter:
+            out = torch.empty(part, dtype=flat.dtype, device=flat.device)
+            work = self._run("reduce_scatter", _REDUCE_SCATTER, out, flat.contiguous(), async_op=True)
+            return Pending(self, work, out)
+        work = self._run("all_reduce", dist.all_reduce, flat, async_op=True)
+        return Pending(self, work, flat[self.rank * part:(self.rank + 1) * part])
+
     def all_reduce_(self, t: torch.Tensor, op=None) -> torch.Tensor:
         """Sum (or `op`) across ranks, in place."""
         if self.world > 1:
@@ -76,10 +86,27 @@ class Comm:
 
     def _run(self, name, fn, *args, **kwargs):
         try:
-            fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except (RuntimeError, dist.DistBackendError) as exc:
-            raise RankFailure(f"infinity: {name} failed on rank {self.rank} of {self.world} ({exc}); another rank "
-                              "probably died or hung. See [Note: dead ranks] in infinity/engine/comm.py") from exc
+            raise self.failure(name, exc) from exc
+
+    def failure(self, name: str, exc: BaseException) -> RankFailure:
+        return RankFailure(f"infinity: {name} failed on rank {self.rank} of {self.world} ({exc}); another rank "
+                           "probably died or hung. See [Note: dead ranks] in infinity/engine/comm.py")
+
+
+class Pending:
+    """An asynchronous reduce-scatter in flight; wait() gives this rank's mean slice."""
+
+    def __init__(self, comm: Comm, work, out: torch.Tensor):
+        self.comm, self.work, self.out = comm, work, out
+
+    def wait(self) -> torch.Tensor:
+        try:
+            self.work.wait()
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise self.comm.failure("reduce_scatter", exc) from exc
+        return self.out.div_(self.comm.world)
 
 
 def init_distributed(timeout_s: float = 300.0) -> Comm:

@@ -124,6 +124,7 @@ class Engine:
         try:
             with self.hooks.saved_tensors():
                 scaled.backward()
+            self.store.flush_grads()
             if overlap:
                 self._overlapped = self.optimizer.end_overlapped_step()
         finally:

@@ -15,6 +15,15 @@ accidental use outside a gather turns into NaN (a loss of NaN) rather than
 plausible garbage. Autograd's AccumulateGrad accepts it, since the shape
 matches; the gradient it produces is taken by `ParamStore.on_grad`.
 
+[Note: gradient buckets]
+With several ranks, full gradients are collected in a bucket of up to
+`reduce_bucket_size` elements, packed rank-major (row r holds every shard
+rank r owns), and reduce-scattered as one collective: NCCL's reduce-scatter,
+or gloo's all-reduce and a slice. A bucket's collective runs asynchronously
+while backward produces the next bucket, and lands (is added to the owners'
+fp32 gradients) when the next bucket is sent or backward ends. Every rank
+fills its buckets in the same order, because its graph is the same.
+
 [Note: shard layout]
 A parameter of numel n is flattened and zero-padded to world x ceil(n/world);
 rank r owns elements [r x part, (r+1) x part). The padding is zero in the
@@ -43,7 +52,16 @@ class ParamStatus(enum.Enum):
 
 @dataclass(eq=False)
 class ManagedParam:
-    """One parameter partitioned over ranks (see [Note: shard layout])."""
+    """One parameter partitioned over ranks (see [Note: gradient buckets]
+With several ranks, full gradients are collected in a bucket of up to
+`reduce_bucket_size` elements, packed rank-major (row r holds every shard
+rank r owns), and reduce-scattered as one collective: NCCL's reduce-scatter,
+or gloo's all-reduce and a slice. A bucket's collective runs asynchronously
+while backward produces the next bucket, and lands (is added to the owners'
+fp32 gradients) when the next bucket is sent or backward ends. Every rank
+fills its buckets in the same order, because its graph is the same.
+
+[Note: shard layout])."""
 
     param: torch.nn.Parameter
     name: str
@@ -105,6 +123,10 @@ class ParamStore:
         self.frozen = False  # set by initialize(): from then on the optimizer owns the master weights
         self.grad_for = None  # set by the optimizer: mp -> its fp32 gradient shard
         self.grad_ready = None  # set by the optimizer: called once mp's gradient of this backward is added
+        self.reduce_bucket = 1 << 62  # zero_optimization.reduce_bucket_size (build_store sets it)
+        self._bucket: list = []
+        self._bucket_elements = 0
+        self._in_flight = None
 
     # ------------------------------------------------------------ partition
 
@@ -242,19 +264,54 @@ class ParamStore:
     # ----------------------------------------------------------------- grads
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
-        """post-accumulate-grad hook: reduce-scatter the full gradient into this rank's fp32 shard."""
+        """post-accumulate-grad hook: hand the full gradient to its owner rank (see [Note: gradient buckets])."""
         mp = managed(param)
         g = param.grad
         param.grad = None
         if g is None or self.grad_for is None:
             return
         flat = g.reshape(-1).to(torch.float32)
+        if self.comm.world == 1:
+            self.grad_for(mp).add_(flat.to(self.grad_for(mp).device))
+            self.grad_ready(mp)
+            return
         pad = mp.part * self.comm.world - mp.numel
         if pad:
             flat = torch.nn.functional.pad(flat, (0, pad))
-        mine = self.comm.reduce_scatter_mean(flat)
-        self.grad_for(mp).add_(mine.to(self.grad_for(mp).device))
-        self.grad_ready(mp)
+        self._bucket.append((mp, flat))
+        self._bucket_elements += flat.numel()
+        if self._bucket_elements >= self.reduce_bucket:
+            self.flush_grads(final=False)
+
+    def flush_grads(self, *, final: bool = True) -> None:
+        """Reduce-scatter the bucket; with final, also wait for it (end of backward)."""
+        if self._bucket:
+            items, self._bucket, self._bucket_elements = self._bucket, [], 0
+            world = self.comm.world
+            parts = sum(mp.part for mp, _ in items)
+            packed = torch.empty(world, parts, dtype=torch.float32, device=items[0][1].device)
+            off = 0
+            for mp, flat in items:  # rank-major: row r is every shard rank r owns, in bucket order
+                packed[:, off:off + mp.part].copy_(flat.view(world, mp.part))
+                off += mp.part
+            previous, self._in_flight = self._in_flight, (self.comm.reduce_scatter_mean_async(packed.view(-1)),
+                                                          [mp for mp, _ in items])
+            self._land(previous)
+        if final:
+            previous, self._in_flight = self._in_flight, None
+            self._land(previous)
+
+    def _land(self, in_flight) -> None:
+        if in_flight is None:
+            return
+        pending, mps = in_flight
+        mine = pending.wait()
+        off = 0
+        for mp in mps:
+            grad = self.grad_for(mp)
+            grad.add_(mine[off:off + mp.part].to(grad.device))
+            off += mp.part
+            self.grad_ready(mp)
 
     def close(self) -> None:
         if self.scheduler is not None:
