@@ -103,11 +103,16 @@ class TensorSwapper:
         except BaseException:
             self._unclaim()
             raise
-        self._reaps: queue.Queue = queue.Queue()
-        self._headers: list = []  # 4 KiB aligned header buffers, reused by the reaper
+        # One reaper for reads and one for writes: a read that has landed is checked and handed over at
+        # once, not after the writes queued before it (see [Note: who releases a swap-out buffer]).
+        self._reads: queue.Queue = queue.Queue()
+        self._writes: queue.Queue = queue.Queue()
+        self._headers: list = []  # 4 KiB aligned header buffers, reused by the write reaper
         self._header_of: dict = {}
-        self._reaper = threading.Thread(target=self._reap_loop, name="infinity-swap-reaper", daemon=True)
-        self._reaper.start()
+        self._reapers = [threading.Thread(target=self._reap_loop, args=(q,), name=f"infinity-swap-{n}-reaper",
+                                          daemon=True) for q, n in ((self._reads, "read"), (self._writes, "write"))]
+        for t in self._reapers:
+            t.start()
         self.bytes_written = 0
         self.bytes_read = 0
         self._closed = False
@@ -232,7 +237,7 @@ class TensorSwapper:
                 part.fail_write()
             raise
         out = SwapFuture(f"write {part.id}")
-        self._reaps.put(("out", part, futs, None, out))
+        self._writes.put(("out", part, futs, None, out))
         return out
 
     def _partition_for(self, part_id: str, dtype: torch.dtype, numel: int) -> Partition:
@@ -286,7 +291,7 @@ class TensorSwapper:
                 self.pool.release(part.fail_read())
             raise
         out = SwapFuture(f"read {part_id}")
-        self._reaps.put(("in", part, [fut], None, out))
+        self._reads.put(("in", part, [fut], None, out))
         return out
 
     def release(self, part_id: str, *, discard: bool = False) -> None:
@@ -312,9 +317,9 @@ class TensorSwapper:
 
     # ------------------------------------------------------------- reaping
 
-    def _reap_loop(self) -> None:
+    def _reap_loop(self, q: queue.Queue) -> None:
         while True:
-            item = self._reaps.get()
+            item = q.get()
             if item is None:
                 return
             kind, part, futs, crc, out = item
@@ -391,11 +396,14 @@ class TensorSwapper:
 
     def flush(self) -> None:
         """Wait until every swap started so far has finished (errors stay with their futures)."""
-        if not self._reaper.is_alive():
+        if not all(t.is_alive() for t in self._reapers):
             raise RuntimeError("TensorSwapper: the swapper is closed; nothing to flush")
-        marker = SwapFuture()
-        self._reaps.put(("barrier", None, [], None, marker))  # the reaper works in order
-        marker._done.wait()
+        markers = []
+        for q in (self._reads, self._writes):
+            markers.append(SwapFuture())
+            q.put(("barrier", None, [], None, markers[-1]))  # each reaper works in order
+        for m in markers:
+            m._done.wait()
 
     def close(self) -> None:
         """Finish pending swaps, stop the reaper and remove this rank's swap files."""
@@ -403,8 +411,10 @@ class TensorSwapper:
             return
         self.flush()
         self._closed = True
-        self._reaps.put(None)
-        self._reaper.join()
+        for q in (self._reads, self._writes):
+            q.put(None)
+        for t in self._reapers:
+            t.join()
         if self._own_aio:
             self.aio.close()
         shutil.rmtree(self.dir, ignore_errors=True)

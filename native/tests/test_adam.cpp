@@ -99,8 +99,12 @@ int main() {
   std::vector<unsigned char> bytes(100003);
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(i * 2654435761u >> 13);
   for (size_t off : {0ul, 1ul, 3ul, 7ul})
-    for (size_t len : {0ul, 1ul, 7ul, 8ul, 9ul, 4096ul, 99990ul})
+    for (size_t len : {0ul, 1ul, 7ul, 8ul, 9ul, 4096ul, 12287ul, 12288ul, 12289ul, 24581ul, 99990ul})
       CHECK(crc32c(bytes.data() + off, len) == crc32c_portable(bytes.data() + off, len));
+  // Chaining through the seed, across the three-lane chunks: crc(A||B) == crc(B, seed = crc(A)).
+  for (size_t split : {1ul, 12288ul, 12290ul, 50000ul})
+    CHECK(crc32c(bytes.data() + split, bytes.size() - split, crc32c(bytes.data(), split)) ==
+          crc32c_portable(bytes.data(), bytes.size()));
   std::printf("%s\n", g_failures ? "adam tests FAILED" : "adam tests passed");
   return g_failures ? 1 : 0;
 }
