@@ -118,9 +118,29 @@ class ShardedAdam(torch.optim.Optimizer):
                 g.master = master.to(dev)
                 g.exp_avg = torch.zeros_like(g.master)
                 g.exp_avg_sq = torch.zeros_like(g.master)
-            self._publish(g, master)
+            if not self._aliasing():
+                self._publish(g, master)
+        if self._aliasing():
+            from infinity.engine.alias import OptimizerSliceReader
+
+            reader = OptimizerSliceReader(store, self)
+            for g in self.groups:
+                for mp, off in zip(g.params, g.offsets):
+                    sid = f"alias/{mp.index}"
+                    reader.place(mp, sid, g.index, off)
+            store.alias_to(reader)
+            for i, g in enumerate(self.groups):  # checksums of the initial shards, from the files just written
+                p, _, _ = self.swapper.read_state(i)
+                for mp, off in zip(g.params, g.offsets):
+                    reader.record(f"alias/{mp.index}", p[off:off + mp.part])
         self._flush()
         store.refresh_persistent()
+
+    def _aliasing(self) -> bool:
+        """fp32 compute with parameters and optimizer both on NVMe: see [Note: fp32 shards live in the
+        optimizer file] in alias.py."""
+        return (self.swapper is not None and self.store.tier == "nvme" and self.store.dtype == torch.float32
+                and self.store.swap is not None)
 
     # ----------------------------------------------------------- gradients
 
@@ -250,6 +270,10 @@ class ShardedAdam(torch.optim.Optimizer):
             self._publish(g, g.master, None)
 
     def _publish(self, g: _Group, master: torch.Tensor, lowp: torch.Tensor | None = None):
+        if self.store.alias is not None:  # the group's own write carries the shards; only their checksums here
+            for mp, off in zip(g.params, g.offsets):
+                self.store.alias.record(f"alias/{mp.index}", master[off:off + mp.part])
+            return
         src = lowp if lowp is not None else master
         for mp, off in zip(g.params, g.offsets):
             values = src[off:off + mp.part]

@@ -116,6 +116,7 @@ class ParamStore:
         self.swap = swap  # SwapContext-like: .pool, .swapper (tier nvme only)
         self.scheduler = scheduler
         self.params: list[ManagedParam] = []
+        self.alias = None  # OptimizerSliceReader in fp32-alias mode (alias.py)
         self.max_live = 1 << 62  # stage3_max_live_parameters (build_store sets it)
         self.live_elements = 0
         self.peak_live_elements = 0
@@ -166,7 +167,20 @@ class ParamStore:
             mp.shard = shard if self.tier == "cpu" or self.device.type == "cpu" else shard.to(self.device)
 
     def _swap_id(self, mp: ManagedParam, dtype) -> str:
+        if self.alias is not None:
+            return f"alias/{mp.index}"
         return f"param/{mp.index}/{str(dtype).replace('torch.', '')}"
+
+    def reader(self):
+        """What shard reads go through: the parameter swapper, or the optimizer-slice reader (alias.py)."""
+        return self.alias if self.alias is not None else self.swap.swapper
+
+    def alias_to(self, reader) -> None:
+        """fp32 shards are read from the optimizer's files from now on (see [Note: fp32 shards live in the
+        optimizer file]); their own swap files are deleted."""
+        for mp in self.params:
+            self.swap.swapper.remove(self._swap_id(mp, mp.extra["swap_dtype"]))
+        self.alias = reader
 
     def retain(self, keep: set) -> None:
         """Forget managed parameters the model no longer holds (e.g. replaced by a tied weight)."""
@@ -191,11 +205,12 @@ class ParamStore:
         sid = self._swap_id(mp, mp.extra["swap_dtype"])
         if self.scheduler is not None and scheduled:
             return self.scheduler.fetch(mp, sid, dtype or mp.extra["swap_dtype"])
-        view = self.swap.swapper.swap_in(sid).wait()
+        reader = self.reader()
+        view = reader.swap_in(sid).wait()
         try:
             out = view.to(dtype or view.dtype, copy=True)
         finally:
-            self.swap.swapper.release(sid)
+            reader.release(sid)
         return out
 
     def write_shard(self, mp: ManagedParam, values: torch.Tensor, *, wait: bool = False, keep_dtype: bool = False):
@@ -204,6 +219,9 @@ class ParamStore:
         keep_dtype keeps the shard's current dtype (fp32 until initialize()
         has made the master weights from it).
         """
+        if self.alias is not None:
+            raise RuntimeError(f"{mp.name}: its fp32 shard lives in the optimizer's file (alias mode); "
+                               "only the optimizer writes it")
         if self.tier != "nvme":
             dtype = mp.shard.dtype if keep_dtype else self.dtype
             if mp.shard.dtype != dtype:

@@ -64,7 +64,8 @@ class PrefetchScheduler:
 
     @property
     def swapper(self):
-        return self.store.swap.swapper
+        """Whatever reads shards: the parameter TensorSwapper, or the optimizer-slice reader (alias.py)."""
+        return self.store.reader()
 
     def begin_step(self) -> None:
         """Start of a forward: read the head of the trace before the first module asks."""

@@ -1,0 +1,85 @@
+"""fp32 parameter shards read straight from the optimizer's swap files.
+
+[Note: fp32 shards live in the optimizer file]
+In fp32 the parameter a forward needs is exactly the master weight the
+optimizer keeps, and an NVMe sub-group's file is [p | m | v]. Writing the
+shard to a file of its own after every step would move 4 more bytes per
+parameter (36 instead of 32) for a second copy of the same numbers. So when
+compute is fp32 and both parameters and optimizer are on NVMe, a shard is
+read from its slice of the p region of its group's file, and never written
+by the parameter store. Its CRC-32C is taken when the optimizer produces it
+(before the group's write is submitted) and checked after each read; the
+file's own header checksum still covers the whole group on the optimizer's
+reads. Reads of a group's slices never race its write: a shard's group is
+written only once its gradient is final, after its last use in the step,
+and every write has landed before the next forward starts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.errors import SwapCorruptionError
+from infinity.swap.checksum import crc32c
+from infinity.swap.swapper import HEADER
+
+
+class _SliceFuture:
+    def __init__(self, reader, sid, fut, view, expected, path, buf):
+        self._reader, self._sid, self._fut, self._view = reader, sid, fut, view
+        self._expected, self._path, self._buf = expected, path, buf
+
+    def wait(self):
+        try:
+            self._fut.wait()
+            if self._expected is not None:
+                actual = crc32c(self._buf.tensor, self._view.numel() * 4)
+                if actual != self._expected:
+                    raise SwapCorruptionError(self._path, self._sid, self._expected, actual)
+        except BaseException:
+            self._reader.release(self._sid)  # the caller never gets the buffer
+            raise
+        return self._view
+
+
+class OptimizerSliceReader:
+    """The scheduler's reader in fp32-alias mode: swap_in/release like a TensorSwapper, over file slices."""
+
+    def __init__(self, store, optimizer):
+        self.pool = store.swap.pool
+        self.aio = store.swap.io
+        self.optimizer = optimizer
+        self.checksums = store.swap.swapper.checksums
+        self.where: dict[str, tuple] = {}  # sid -> (path, byte offset, elements)
+        self.crc: dict[str, int] = {}
+        self._held: dict = {}
+
+    def place(self, mp, sid: str, group_index: int, offset: int) -> None:
+        sw = self.optimizer.swapper
+        path = sw.swapper.path_of(sw.ids[group_index])
+        self.where[sid] = (path, HEADER + 4 * offset, mp.part)
+
+    def record(self, sid: str, values: torch.Tensor) -> None:
+        """The optimizer just produced this shard's new values (they are about to be written)."""
+        if self.checksums:
+            self.crc[sid] = crc32c(values, values.numel() * 4)
+
+    def swap_in(self, sid: str, *, prefetch: bool = False, reserve: int = 0):
+        path, offset, numel = self.where[sid]
+        if sid in self._held:
+            raise RuntimeError(f"OptimizerSliceReader: {sid} is already being read")
+        buf = self.pool.try_acquire(f"read {sid}", reserve=reserve) if prefetch else self.pool.acquire(f"read {sid}")
+        if buf is None:
+            return None
+        self._held[sid] = buf
+        try:
+            fut = self.aio.pread(buf.tensor, path, offset, nbytes=4 * numel)
+        except BaseException:
+            self.release(sid)
+            raise
+        return _SliceFuture(self, sid, fut, buf.view(torch.float32, numel), self.crc.get(sid), path, buf)
+
+    def release(self, sid: str, **_) -> None:
+        buf = self._held.pop(sid, None)
+        if buf is not None:
+            self.pool.release(buf)
