@@ -47,6 +47,8 @@ class StepReport:
     optimizer_write_bytes: int
     param_write_bytes: int
     peak_live_elements: int
+    gathered_bytes: int = 0
+    """Full parameters materialised (forward and backward), from any tier: the CPU/device tier's traffic."""
 
     @property
     def prefetch_hit_rate(self) -> float:
@@ -88,6 +90,7 @@ class Engine:
         self._fetch_stats = []
         self._overlapped = None  # the result of a step taken during backward, for step() to report
         self._param_written_mark = self._param_bytes_written()
+        self._gathered_mark = store.bytes_gathered
         self._closed = False
 
     @property
@@ -171,7 +174,9 @@ class Engine:
             param_read_bytes=sum(s.bytes_read for s in fs), optimizer_read_bytes=stats.bytes_read,
             optimizer_write_bytes=stats.bytes_written,
             param_write_bytes=self._param_bytes_written() - self._param_written_mark,
-            peak_live_elements=self.store.peak_live_elements))
+            peak_live_elements=self.store.peak_live_elements,
+            gathered_bytes=self.store.bytes_gathered - self._gathered_mark))
+        self._gathered_mark = self.store.bytes_gathered
         self._fetch_stats = []
         self._param_written_mark = self._param_bytes_written()
         self.store.peak_live_elements = self.store.live_elements
