@@ -1,4 +1,4 @@
-"""The `infinity` command: info, bench io|adam|swap|train."""
+"""The `infinity` command: train, info, bench io|adam|swap|train."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="version, I/O backends, SIMD level, O_DIRECT alignment, free space")
     info.add_argument("--dir", default=".", help="directory whose alignment and free space to report")
     info.add_argument("--json", action="store_true")
+
+    from infinity import train as train_cmd
+
+    train_cmd.add_arguments(sub.add_parser("train", help="train a transformer with the ZeRO engine (the main job)"))
 
     bench = sub.add_parser("bench", help="standalone benchmarks")
     bsub = bench.add_subparsers(dest="what", required=True)
@@ -42,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args) -> int:
+    if args.cmd == "train":
+        from infinity import train as train_cmd
+
+        return train_cmd.run(args)
     if args.cmd == "info":
         from infinity import info
 

@@ -15,6 +15,7 @@ surviving rank exits with one clear line.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -40,6 +41,7 @@ class Comm:
         self.backend = dist.get_backend() if self.distributed else "none"
         # gloo has no reduce_scatter; an all_reduce then a slice gives the same shard at twice the traffic.
         self.native_reduce_scatter = self.backend == "nccl"
+        self.time_s = 0.0  # wall time inside blocking collectives (communication in the step breakdown)
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The concatenation of every rank's shard (all the same numel), rank order."""
@@ -85,10 +87,13 @@ class Comm:
         return t
 
     def _run(self, name, fn, *args, **kwargs):
+        t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistBackendError) as exc:
             raise self.failure(name, exc) from exc
+        finally:
+            self.time_s += time.perf_counter() - t0
 
     def failure(self, name: str, exc: BaseException) -> RankFailure:
         return RankFailure(f"infinity: {name} failed on rank {self.rank} of {self.world} ({exc}); another rank "
@@ -102,10 +107,13 @@ class Pending:
         self.comm, self.work, self.out = comm, work, out
 
     def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
         try:
             self.work.wait()
         except (RuntimeError, dist.DistBackendError) as exc:
             raise self.comm.failure("reduce_scatter", exc) from exc
+        finally:
+            self.comm.time_s += time.perf_counter() - t0
         return self.out.div_(self.comm.world)
 
 

@@ -47,6 +47,8 @@ class StepReport:
     optimizer_write_bytes: int
     param_write_bytes: int
     peak_live_elements: int
+    comm_s: float = 0.0
+    """Time in blocking collectives (gathers, gradient reduce-scatters, norms) since the previous step."""
     gathered_bytes: int = 0
     """Full parameters materialised (forward and backward), from any tier: the CPU/device tier's traffic."""
 
@@ -91,6 +93,7 @@ class Engine:
         self._overlapped = None  # the result of a step taken during backward, for step() to report
         self._param_written_mark = self._param_bytes_written()
         self._gathered_mark = store.bytes_gathered
+        self._comm_mark = self.comm.time_s
         self._closed = False
 
     @property
@@ -175,7 +178,9 @@ class Engine:
             optimizer_write_bytes=stats.bytes_written,
             param_write_bytes=self._param_bytes_written() - self._param_written_mark,
             peak_live_elements=self.store.peak_live_elements,
-            gathered_bytes=self.store.bytes_gathered - self._gathered_mark))
+            gathered_bytes=self.store.bytes_gathered - self._gathered_mark,
+            comm_s=self.comm.time_s - self._comm_mark))
+        self._comm_mark = self.comm.time_s
         self._gathered_mark = self.store.bytes_gathered
         self._fetch_stats = []
         self._param_written_mark = self._param_bytes_written()

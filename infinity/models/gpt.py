@@ -37,8 +37,10 @@ PRESETS = {
     "gpt-tiny": GPTConfig(vocab=256, seq=64, layers=2, dim=64, heads=4),
     "gpt-small": GPTConfig(vocab=256, seq=128, layers=4, dim=256, heads=4),
     "gpt-125m": GPTConfig(vocab=50304, seq=1024, layers=12, dim=768, heads=12, checkpoint=True),
-    "gpt-1b": GPTConfig(vocab=50304, seq=1024, layers=24, dim=1792, heads=16, checkpoint=True),
-    "gpt-2b": GPTConfig(vocab=50304, seq=1024, layers=32, dim=2304, heads=16, checkpoint=True),
+    # The billion-scale presets use an 8192-token vocabulary: a 50k-row embedding would be the largest
+    # parameter by far, and every swap buffer must hold the largest parameter's shard.
+    "gpt-1b": GPTConfig(vocab=8192, seq=1024, layers=24, dim=1856, heads=16, checkpoint=True),
+    "gpt-2b": GPTConfig(vocab=8192, seq=1024, layers=32, dim=2304, heads=16, checkpoint=True),
 }
 
 

@@ -16,7 +16,8 @@ SHIPPED = sorted((ROOT / "swap_configs").glob("*.json"))
 
 
 def test_three_configs_are_shipped():
-    assert {p.name for p in SHIPPED} == {"cpu_offload.json", "nvme_offload.json", "nvme_optimizer_only.json"}
+    assert {p.name for p in SHIPPED} == {"cpu_offload.json", "nvme_offload.json", "nvme_optimizer_only.json",
+                                          "huge_2b.json"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)

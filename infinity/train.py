@@ -1,0 +1,237 @@
+"""`infinity train`: train a decoder-only transformer with the ZeRO engine, on a built-in dataset.
+
+The data is generated, not downloaded: each sequence is an arithmetic
+progression of token ids (random start and stride, modulo the vocabulary),
+a pattern a model can learn, so the loss really falls. Every rank derives
+the same global batch from the step number and takes its slice.
+
+Writes `metrics.jsonl` (one object per optimizer step) and `metrics.png`
+(loss, and the step time split into compute, exposed I/O and
+communication) into --out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "swap_configs"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=str(REPO_CONFIGS / "nvme_offload.json"),
+                   help="swap config (default: swap_configs/nvme_offload.json)")
+    p.add_argument("--model", default="gpt-small",
+                   help="gpt-tiny|gpt-small|gpt-125m|gpt-1b|gpt-2b, or a Hugging Face config.json (no download)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's, at most 256)")
+    p.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temp dir, removed after)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks to launch through torchrun (gloo on CPU)")
+    p.add_argument("--memory-budget", default=None, help="host memory budget for the offload planner (not built yet)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>/)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's optimizer.params.lr)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    if args.memory_budget is not None:
+        raise ValueError("--memory-budget needs the offload planner (`infinity plan`), which is not built yet; "
+                         "size the buffers in --config instead")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    out = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch(args, out)
+    own_nvme = args.nvme_path is None
+    nvme = args.nvme_path or tempfile.mkdtemp(prefix="infinity-train.", dir=os.environ.get("TMPDIR", "/var/tmp"))
+    try:
+        return _train(args, out, nvme)
+    finally:
+        if own_nvme:
+            shutil.rmtree(nvme, ignore_errors=True)
+
+
+def _launch(args, out: Path) -> int:
+    """Re-run this command under torchrun with --nproc ranks."""
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # the ranks get the same command without --nproc (torchrun's parser trips on it)
+        if skip or a == "--nproc" or a.startswith("--nproc="):
+            skip = a == "--nproc"
+            continue
+        argv.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", "-m", "infinity.cli", *argv, "--out", str(out)]
+    return subprocess.call(cmd)
+
+
+def _free_port() -> int:
+    from infinity.testing.parity import free_port
+
+    return free_port()
+
+
+def build_model(name: str):
+    """(model, vocab, seq, forward) for a preset or a Hugging Face config.json."""
+    from infinity.models import GPT, PRESETS
+
+    if name in PRESETS:
+        cfg = PRESETS[name]
+        model = GPT(cfg)
+        return model, cfg.vocab, cfg.seq, lambda m, x, y: m(x, y)
+    path = Path(name)
+    if path.suffix == ".json" and path.is_file():
+        try:
+            import transformers
+        except ImportError:
+            raise ValueError(f"--model {name}: a Hugging Face config needs the transformers package") from None
+        hf_cfg = transformers.AutoConfig.from_pretrained(str(path.parent))
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+        seq = getattr(hf_cfg, "n_positions", None) or getattr(hf_cfg, "max_position_embeddings", 256)
+        return model, hf_cfg.vocab_size, seq, lambda m, x, y: m(input_ids=x, labels=x).loss
+    known = ", ".join(PRESETS)
+    raise ValueError(f"--model {name!r}: not a preset ({known}) nor an existing config.json file")
+
+
+def _sized_config(args, nvme: str, largest: int, micro: int):
+    """The swap config, with nvme_path set and buffers no bigger than this model needs."""
+    import dataclasses
+
+    from infinity.config import load_config
+
+    cfg = load_config(args.config, nvme_path=nvme)
+    zero = cfg.zero_optimization
+    param = dataclasses.replace(zero.offload_param, buffer_size=min(zero.offload_param.buffer_size, largest))
+    zero = dataclasses.replace(zero, offload_param=param, sub_group_size=min(zero.sub_group_size, max(largest, 1)))
+    opt = cfg.optimizer
+    if args.lr is not None:
+        if not (args.lr > 0 and math.isfinite(args.lr)):
+            raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+        opt = dataclasses.replace(opt, params=dataclasses.replace(opt.params, lr=args.lr))
+    return dataclasses.replace(cfg, zero_optimization=zero, optimizer=opt, train_micro_batch_size_per_gpu=micro)
+
+
+def _train(args, out: Path, nvme: str) -> int:
+    import torch
+
+    from infinity.engine import initialize, zero_init
+    from infinity.engine.comm import init_distributed
+
+    torch.manual_seed(args.seed)
+    with torch.device("meta"):
+        meta, vocab, seq, _ = build_model(args.model)
+    largest = max(p.numel() for p in meta.parameters())
+    del meta
+    seq = min(args.seq or seq, seq, 256)
+    from infinity.config import load_config
+
+    micro = load_config(args.config, nvme_path=nvme).train_micro_batch_size_per_gpu or 4
+    cfg = _sized_config(args, nvme, largest, micro)
+    comm = init_distributed(cfg.infinity.comm_timeout_s)
+    rank, world = comm.rank, comm.world
+    torch.manual_seed(args.seed)
+    with zero_init(cfg):
+        model, vocab, _, forward = build_model(args.model)
+    engine = initialize(model, cfg)
+    numel = sum(mp.numel for mp in engine.store.params)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"infinity train: {args.model} ({numel / 1e6:.1f}M params), {world} rank(s), batch "
+              f"{micro * world} x {seq}, bf16={cfg.bf16.enabled} fp16={cfg.fp16.enabled}, params on "
+              f"{engine.store.tier}, optimizer on {engine.optimizer.tier}, swap files in {nvme}; writing {out}",
+              flush=True)
+    metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None
+    rows = []
+    try:
+        for step in range(args.steps):
+            x, y = _batch(step, micro * world, seq, vocab)
+            x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+            t0 = time.perf_counter()
+            loss = forward(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            step_s = time.perf_counter() - t0
+            loss_t = torch.tensor([loss.item()])
+            engine.comm.all_reduce_(loss_t)
+            r = engine.last_report
+            row = {"step": step + 1, "loss": loss_t.item() / world, "step_s": step_s,
+                   "tokens_per_s": micro * world * seq / step_s, "io_read_bytes": r.io_read_bytes,
+                   "io_write_bytes": r.io_write_bytes, "exposed_io_s": r.exposed_io_s, "comm_s": r.comm_s,
+                   "prefetch_hit_rate": r.prefetch_hit_rate, "peak_rss_bytes": _peak_rss(),
+                   "skipped": r.skipped, "loss_scale": r.loss_scale}
+            rows.append(row)
+            if metrics is not None:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                _progress(row, args.steps)
+    finally:
+        engine.close()
+        if metrics is not None:
+            metrics.close()
+    if rank == 0:
+        _plot(rows, out / "metrics.png", args.model)
+        first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / len(rows[-5:])
+        print(f"\nloss {first:.3f} -> {last:.3f} (mean of the last 5 steps); metrics in {out}/metrics.jsonl, "
+              f"plot in {out}/metrics.png")
+    return 0
+
+
+def _batch(step: int, size: int, seq: int, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, vocab, (size, 1), generator=g)
+    stride = torch.randint(1, 7, (size, 1), generator=g)
+    tokens = (start + stride * torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _progress(row: dict, steps: int) -> None:
+    io_gbs = (row["io_read_bytes"] + row["io_write_bytes"]) / row["step_s"] / 1e9
+    line = (f"step {row['step']:>5}/{steps}  loss {row['loss']:.4f}  {row['step_s']:.2f} s/step  "
+            f"{row['tokens_per_s']:,.0f} tok/s  I/O {io_gbs:.2f} GB/s  hit {row['prefetch_hit_rate']:.0%}  "
+            f"peak RSS {row['peak_rss_bytes'] / 2**20:,.0f} MiB")
+    end = "\n" if not sys.stdout.isatty() or row["step"] == steps else "\r"
+    print(line, end=end, flush=True)
+
+
+def _plot(rows: list, path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot)")
+        return
+    steps = [r["step"] for r in rows]
+    io = [r["exposed_io_s"] for r in rows]
+    comm = [r["comm_s"] for r in rows]
+    compute = [max(0.0, r["step_s"] - a - b) for r, a, b in zip(rows, io, comm)]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax1.plot(steps, [r["loss"] for r in rows])
+    ax1.set_ylabel("loss")
+    ax1.set_title(f"infinity train: {title}")
+    ax2.bar(steps, compute, label="compute")
+    ax2.bar(steps, io, bottom=compute, label="exposed I/O")
+    ax2.bar(steps, comm, bottom=[a + b for a, b in zip(compute, io)], label="communication")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("seconds")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
