@@ -213,3 +213,8 @@ def test_fp32_nvme_moves_32_bytes_per_parameter_and_detects_a_flipped_byte(disk_
         assert info.value.filename == path
     finally:
         engine.close()
+
+
+def test_bf16_on_nvme_is_bit_identical_to_bf16_in_ram(disk_dir):
+    ram = engine_losses(engine_config("cpu", **{"bf16.enabled": True}), 8)
+    assert engine_losses(tier_config("nvme", disk_dir, **{"bf16.enabled": True}), 8) == ram
