@@ -1,4 +1,4 @@
-"""The `infinity` command: train, info, bench io|adam|swap|train."""
+"""The `infinity` command: train, tune, plan, info, bench io|adam|swap|train|plan."""
 
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     train_cmd.add_arguments(sub.add_parser("train", help="train a transformer with the ZeRO engine (the main job)"))
 
+    from infinity import plan
+
+    plan.add_arguments(sub.add_parser("plan", help="decide what lives where for a memory budget; write the config"))
+    from infinity import tune
+
+    tune.add_arguments(sub.add_parser("tune", help="sweep the aio settings on a disk; print and write the best"))
+
     bench = sub.add_parser("bench", help="standalone benchmarks")
     bsub = bench.add_subparsers(dest="what", required=True)
     from infinity.bench import io as bench_io
@@ -32,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     from infinity.bench import train as bench_train
 
     bench_train.add_arguments(bsub.add_parser("train", help="training step on NVMe vs the same model in RAM"))
+    from infinity.bench import plan as bench_plan
+
+    bench_plan.add_arguments(bsub.add_parser("plan", help="the planner's predictions vs real runs; cost per parameter"))
     return p
 
 
@@ -50,6 +60,14 @@ def _dispatch(args) -> int:
         from infinity import train as train_cmd
 
         return train_cmd.run(args)
+    if args.cmd == "plan":
+        from infinity import plan
+
+        return plan.run(args)
+    if args.cmd == "tune":
+        from infinity import tune
+
+        return tune.run(args)
     if args.cmd == "info":
         from infinity import info
 
@@ -66,6 +84,10 @@ def _dispatch(args) -> int:
         from infinity.bench import swap as bench_swap
 
         return bench_swap.run(args)
+    if args.cmd == "bench" and args.what == "plan":
+        from infinity.bench import plan as bench_plan
+
+        return bench_plan.run(args)
     if args.cmd == "bench" and args.what == "train":
         from infinity.bench import train as bench_train
 

@@ -1,9 +1,11 @@
 """`infinity train`: train a decoder-only transformer with the ZeRO engine, on a built-in dataset.
 
-The data is generated, not downloaded: each sequence is an arithmetic
-progression of token ids (random start and stride, modulo the vocabulary),
-a pattern a model can learn, so the loss really falls. Every rank derives
-the same global batch from the step number and takes its slice.
+The data is text shipped with the package, not downloaded: the bytes of
+infinity's own Python source, one token per byte (modulo the vocabulary
+when it is smaller than 256). Each sequence is a window at a position drawn
+from the step number, so every rank derives the same global batch and takes
+its slice. Source code is real text with real structure: the loss falls
+quickly (the byte distribution) and then keeps falling (its syntax).
 
 Writes `metrics.jsonl` (one object per optimizer step) and `metrics.png`
 (loss, and the step time split into compute, exposed I/O and
@@ -12,6 +14,7 @@ communication) into --out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -29,23 +32,26 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default=str(REPO_CONFIGS / "nvme_offload.json"),
                    help="swap config (default: swap_configs/nvme_offload.json)")
     p.add_argument("--model", default="gpt-small",
-                   help="gpt-tiny|gpt-small|gpt-125m|gpt-1b|gpt-2b, or a Hugging Face config.json (no download)")
+                   help="a preset (gpt-tiny, gpt-small, gpt-25m, gpt-57m, gpt-100m, gpt-125m, gpt-350m, gpt-1b, gpt-2b) or a Hugging Face "
+                        "config.json (no download)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's, at most 256)")
     p.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temp dir, removed after)")
     p.add_argument("--nproc", type=int, default=1, help="ranks to launch through torchrun (gloo on CPU)")
-    p.add_argument("--memory-budget", default=None, help="host memory budget for the offload planner (not built yet)")
+    p.add_argument("--memory-budget", default=None,
+                   help="plan the placement and buffers for this much host memory over the baseline (e.g. 8GiB); "
+                        "the config then supplies only what the planner does not decide")
     p.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>/)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's optimizer.params.lr)")
+    p.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warmup (default 0)")
     p.add_argument("--seed", type=int, default=0)
 
 
 def run(args) -> int:
-    if args.memory_budget is not None:
-        raise ValueError("--memory-budget needs the offload planner (`infinity plan`), which is not built yet; "
-                         "size the buffers in --config instead")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     out = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
@@ -111,12 +117,20 @@ def _sized_config(args, nvme: str, largest: int, micro: int):
     zero = cfg.zero_optimization
     param = dataclasses.replace(zero.offload_param, buffer_size=min(zero.offload_param.buffer_size, largest))
     zero = dataclasses.replace(zero, offload_param=param, sub_group_size=min(zero.sub_group_size, max(largest, 1)))
+    cfg = dataclasses.replace(cfg, zero_optimization=zero, train_micro_batch_size_per_gpu=micro)
+    return _with_lr(args, cfg)
+
+
+def _with_lr(args, cfg):
+    import dataclasses
+
+    if args.lr is None:
+        return cfg
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
     opt = cfg.optimizer
-    if args.lr is not None:
-        if not (args.lr > 0 and math.isfinite(args.lr)):
-            raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
-        opt = dataclasses.replace(opt, params=dataclasses.replace(opt.params, lr=args.lr))
-    return dataclasses.replace(cfg, zero_optimization=zero, optimizer=opt, train_micro_batch_size_per_gpu=micro)
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(opt, params=dataclasses.replace(opt.params,
+                                                                                                 lr=args.lr)))
 
 
 def _train(args, out: Path, nvme: str) -> int:
@@ -134,13 +148,35 @@ def _train(args, out: Path, nvme: str) -> int:
     from infinity.config import load_config
 
     micro = load_config(args.config, nvme_path=nvme).train_micro_batch_size_per_gpu or 4
-    cfg = _sized_config(args, nvme, largest, micro)
+    planned = None
+    if args.memory_budget is not None:
+        from infinity.plan import describe, make_plan
+
+        world_env = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        planned, shape, rates = make_plan(model=args.model, memory_budget=args.memory_budget, nvme_path=nvme,
+                                          config=args.config, micro=micro, seq=seq, nproc=world_env)
+        cfg = _with_lr(args, load_config(planned.config))
+    else:
+        cfg = _sized_config(args, nvme, largest, micro)
     comm = init_distributed(cfg.infinity.comm_timeout_s)
     rank, world = comm.rank, comm.world
+    baseline = baseline_rss()
+    if planned is not None and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        print(describe(planned, shape, rates, baseline), flush=True)
+        with open(out / "plan.json", "w") as f:
+            json.dump({"predicted_step_s": planned.predicted_step_s, "predicted_peak_bytes": planned.predicted_peak_bytes,
+                       "peak_phase": planned.peak_phase, "memory": planned.memory, "time": planned.time,
+                       "rates": dataclasses.asdict(rates), "baseline_rss_bytes": baseline,
+                       "memory_budget": planned.config["infinity"]["memory_budget"], "config": planned.config}, f,
+                      indent=2)
     torch.manual_seed(args.seed)
     with zero_init(cfg):
         model, vocab, _, forward = build_model(args.model)
-    engine = initialize(model, cfg)
+    warmup = args.warmup
+    schedule = None if not warmup else (
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup)))
+    engine = initialize(model, cfg, lr_scheduler=schedule)
     numel = sum(mp.numel for mp in engine.store.params)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +184,11 @@ def _train(args, out: Path, nvme: str) -> int:
               f"{micro * world} x {seq}, bf16={cfg.bf16.enabled} fp16={cfg.fp16.enabled}, params on "
               f"{engine.store.tier}, optimizer on {engine.optimizer.tier}, swap files in {nvme}; writing {out}",
               flush=True)
+    if rank == 0:
+        with open(out / "run.json", "w") as f:
+            json.dump({"model": args.model, "numel": numel, "world": world, "micro_batch": micro, "seq": seq,
+                       "steps": args.steps, "param_tier": engine.store.tier, "optimizer_tier": engine.optimizer.tier,
+                       "baseline_rss_bytes": baseline}, f, indent=2)
     metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None
     rows = []
     try:
@@ -166,7 +207,7 @@ def _train(args, out: Path, nvme: str) -> int:
                    "tokens_per_s": micro * world * seq / step_s, "io_read_bytes": r.io_read_bytes,
                    "io_write_bytes": r.io_write_bytes, "exposed_io_s": r.exposed_io_s, "comm_s": r.comm_s,
                    "prefetch_hit_rate": r.prefetch_hit_rate, "peak_rss_bytes": _peak_rss(),
-                   "skipped": r.skipped, "loss_scale": r.loss_scale}
+                   "baseline_rss_bytes": baseline, "skipped": r.skipped, "loss_scale": r.loss_scale}
             rows.append(row)
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
@@ -184,20 +225,46 @@ def _train(args, out: Path, nvme: str) -> int:
     return 0
 
 
+_CORPUS = None
+
+
+def corpus():
+    """The training text: infinity's own .py files, sorted by path, as one byte tensor (int64)."""
+    global _CORPUS
+    if _CORPUS is None:
+        import torch
+
+        root = Path(__file__).resolve().parent
+        text = b"".join(p.read_bytes() for p in sorted(root.rglob("*.py")))
+        _CORPUS = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    return _CORPUS
+
+
 def _batch(step: int, size: int, seq: int, vocab: int):
     import torch
 
+    data = corpus()
     g = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, vocab, (size, 1), generator=g)
-    stride = torch.randint(1, 7, (size, 1), generator=g)
-    tokens = (start + stride * torch.arange(seq + 1)) % vocab
+    starts = torch.randint(0, data.numel() - seq - 1, (size,), generator=g)
+    tokens = torch.stack([data[i:i + seq + 1] for i in starts.tolist()])
+    if vocab < 256:
+        tokens = tokens % vocab
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def baseline_rss() -> int:
+    from infinity.plan import baseline_rss as measure
+
+    return measure()
+
+
 def _peak_rss() -> int:
+    """Peak RSS since the baseline was taken (VmHWM, reset then), or the process's ru_maxrss elsewhere."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from infinity.plan import proc_status
+
+    return proc_status("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _progress(row: dict, steps: int) -> None:

@@ -128,8 +128,11 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("is_write", &Request::is_write);
 
   py::class_<Handle>(m, "Handle")
-      .def(py::init([](const std::string& backend, size_t block_size, int queue_depth, int threads, bool direct) {
+      .def(py::init([](const std::string& backend, size_t block_size, int queue_depth, int threads, bool direct,
+                       bool single_submit, bool overlap_events) {
              HandleOptions o;
+             o.single_submit = single_submit;
+             o.overlap_events = overlap_events;
              o.backend = backend_from(backend);
              o.block_size = block_size;
              o.queue_depth = queue_depth;
@@ -137,7 +140,8 @@ PYBIND11_MODULE(_native, m) {
              o.direct = direct;
              return std::make_unique<Handle>(o);
            }),
-           py::arg("backend"), py::arg("block_size"), py::arg("queue_depth"), py::arg("threads"), py::arg("direct"))
+           py::arg("backend"), py::arg("block_size"), py::arg("queue_depth"), py::arg("threads"), py::arg("direct"),
+           py::arg("single_submit") = false, py::arg("overlap_events") = true)
       .def(
           "submit",
           [](Handle& h, bool write, uintptr_t ptr, size_t nbytes, const std::string& path, int64_t offset) {
@@ -150,7 +154,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("closed", &Handle::closed)
       .def_property_readonly("inflight", &Handle::inflight)
       .def_property_readonly("bytes_read", &Handle::bytes_read)
-      .def_property_readonly("bytes_written", &Handle::bytes_written);
+      .def_property_readonly("bytes_written", &Handle::bytes_written)
+      .def_property_readonly("submit_calls", &Handle::submit_calls);
 
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
       .def(py::init<size_t, size_t>(), py::arg("nbytes"), py::arg("alignment") = 4096)

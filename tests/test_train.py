@@ -44,12 +44,13 @@ def test_train_on_two_ranks_through_torchrun(tmp_path, disk_dir):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "gpt-huge"], "--model 'gpt-huge': not a preset (gpt-tiny, gpt-small, gpt-125m, gpt-1b, gpt-2b) "
-                              "nor an existing config.json file"),
+    (["--model", "gpt-huge"], "--model 'gpt-huge': not a preset (gpt-tiny, gpt-small, gpt-25m, gpt-57m, gpt-125m, "
+                              "gpt-100m, gpt-350m, gpt-1b, gpt-2b) nor an existing config.json file"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
-    (["--memory-budget", "8GiB"], "--memory-budget needs the offload planner (`infinity plan`), which is not built "
-                                  "yet; size the buffers in --config instead"),
+    (["--memory-budget", "1MiB"], "--memory-budget 1.00 MiB: no placement of gpt-small"),
+    (["--memory-budget", "plenty"], "--memory-budget: cannot read 'plenty' as a size"),
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
     (["--config", "/nonexistent.json"], "/nonexistent.json"),
 ])
 def test_train_bad_input_is_one_clear_line(tmp_path, args, message):

@@ -155,9 +155,9 @@ class AioConfig:
     intra_op_parallelism: int = spec(1, low=1, high=256)
     """Worker threads (DeepSpeed's older name: thread_count)."""
     single_submit: bool = spec(False)
-    """DeepSpeed: submit one request per syscall (accepted; our engines always batch)."""
+    """Submit one piece per syscall instead of a batch (as DeepSpeed's)."""
     overlap_events: bool = spec(True)
-    """DeepSpeed: overlap submission and completion (accepted; always on here)."""
+    """Refill the queue as pieces complete; False waits for a whole batch before the next (as DeepSpeed's)."""
     backend: str = spec("auto", choices=("auto", "io_uring", "libaio", "threads", "python"))
     """infinity's addition: which AsyncIO backend to use."""
 

@@ -100,6 +100,12 @@ class AsyncIO:
         threads: worker threads; each has its own kernel queue.
         direct: use O_DIRECT for the aligned bulk of every request, so that
             swapped data does not pollute (or get served from) the page cache.
+        single_submit: one piece per submit syscall instead of a batch
+            (DeepSpeed's aio.single_submit).
+        overlap_events: refill the queue as pieces complete; False submits a
+            batch and waits for all of it before the next (DeepSpeed's
+            aio.overlap_events). The threads and python backends make one
+            blocking call per piece, so neither applies to them.
 
     Argument errors raise ValueError at the call. I/O errors raise OSError
     (FileNotFoundError, PermissionError, ...) carrying `errno`, `filename`
@@ -107,14 +113,16 @@ class AsyncIO:
     """
 
     def __init__(self, backend: str = "auto", block_size: int = 1 << 20, queue_depth: int = 32,
-                 threads: int = 1, direct: bool = True):
+                 threads: int = 1, direct: bool = True, single_submit: bool = False,
+                 overlap_events: bool = True):
         _check_int("block_size", block_size, 4096, 1 << 30)
         if block_size % 4096:
             raise ValueError(f"AsyncIO: block_size must be a multiple of 4096, got {block_size}")
         _check_int("queue_depth", queue_depth, 1, 4096)
         _check_int("threads", threads, 1, 256)
-        if not isinstance(direct, bool):
-            raise ValueError(f"AsyncIO: direct must be True or False, got {direct!r}")
+        for name, flag in (("direct", direct), ("single_submit", single_submit), ("overlap_events", overlap_events)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"AsyncIO: {name} must be True or False, got {flag!r}")
         usable = available_backends()
         if backend == "auto":
             backend = usable[0]
@@ -131,12 +139,15 @@ class AsyncIO:
         self.block_size = block_size
         self.queue_depth = queue_depth
         self.threads = threads
+        self.single_submit = single_submit
+        self.overlap_events = overlap_events
         # The Python backend cannot guarantee O_DIRECT alignment; see its module.
         self.direct = direct and backend != "python"
         if backend == "python":
             self._impl = PythonHandle(block_size, queue_depth, threads)
         else:
-            self._impl = native.Handle(backend, block_size, queue_depth, threads, direct)
+            self._impl = native.Handle(backend, block_size, queue_depth, threads, direct,
+                                       single_submit=single_submit, overlap_events=overlap_events)
         self._lock = threading.Lock()
         self._pending: collections.deque[IOFuture] = collections.deque()
         self._prune_at = 256
@@ -231,6 +242,11 @@ class AsyncIO:
     def bytes_written(self) -> int:
         return self._impl.bytes_written
 
+    @property
+    def submit_calls(self) -> int | None:
+        """Batches handed to the kernel so far (None for the python backend, which has no queue)."""
+        return getattr(self._impl, "submit_calls", None)
+
     def close(self) -> None:
         """Wait for everything in flight, then stop the workers. Safe to call twice."""
         self._impl.close()
@@ -250,4 +266,5 @@ class AsyncIO:
 
     def __repr__(self) -> str:
         return (f"AsyncIO(backend={self.backend!r}, block_size={self.block_size}, "
-                f"queue_depth={self.queue_depth}, threads={self.threads}, direct={self.direct})")
+                f"queue_depth={self.queue_depth}, threads={self.threads}, direct={self.direct}, "
+                f"single_submit={self.single_submit}, overlap_events={self.overlap_events})")

@@ -36,9 +36,17 @@ class GPTConfig:
 PRESETS = {
     "gpt-tiny": GPTConfig(vocab=256, seq=64, layers=2, dim=64, heads=4),
     "gpt-small": GPTConfig(vocab=256, seq=128, layers=4, dim=256, heads=4),
+    # Wide and shallow with a byte vocabulary: 25M parameters of state but small activations and no big
+    # embedding, for the planner's CI test (state many times a tiny memory budget).
+    "gpt-25m": GPTConfig(vocab=256, seq=128, layers=8, dim=512, heads=8),
+    # Deep and narrow, checkpointed: 57M parameters (0.9 GB of training state) whose largest parameter and
+    # activations are small, so that it trains within a memory budget a tenth of its state (the planner's test).
+    "gpt-57m": GPTConfig(vocab=256, seq=128, layers=32, dim=384, heads=6, checkpoint=True),
     "gpt-125m": GPTConfig(vocab=50304, seq=1024, layers=12, dim=768, heads=12, checkpoint=True),
     # The billion-scale presets use an 8192-token vocabulary: a 50k-row embedding would be the largest
     # parameter by far, and every swap buffer must hold the largest parameter's shard.
+    "gpt-100m": GPTConfig(vocab=8192, seq=1024, layers=12, dim=832, heads=13, checkpoint=True),
+    "gpt-350m": GPTConfig(vocab=8192, seq=1024, layers=24, dim=1088, heads=16, checkpoint=True),
     "gpt-1b": GPTConfig(vocab=8192, seq=1024, layers=24, dim=1856, heads=16, checkpoint=True),
     "gpt-2b": GPTConfig(vocab=8192, seq=1024, layers=32, dim=2304, heads=16, checkpoint=True),
 }

@@ -24,7 +24,8 @@ class SwapContext:
     def __init__(self, *, directory, count: int, size: int, cfg: Config, pin: bool, rank: int = 0, kind: str = ""):
         aio = cfg.aio
         self.io = AsyncIO(backend=aio.backend, block_size=aio.block_size, queue_depth=aio.queue_depth,
-                          threads=aio.intra_op_parallelism, direct=cfg.infinity.direct_io)
+                          threads=aio.intra_op_parallelism, direct=cfg.infinity.direct_io,
+                          single_submit=aio.single_submit, overlap_events=aio.overlap_events)
         try:
             # pin_memory page-locks the pool for device copies, which only means something when CUDA is there.
             self.pool = BufferPool(count, size, pin=pin and torch.cuda.is_available())

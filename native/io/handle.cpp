@@ -338,7 +338,10 @@ void Handle::worker_loop(Worker* w) {
 
   for (;;) {
     batch.clear();
-    while (!retry.empty() && inflight + static_cast<int>(batch.size()) < cap) {
+    // Without overlap_events a worker submits only into an empty queue:
+    // a batch goes out, and all of it completes before the next one.
+    const bool refill = opts_.overlap_events || inflight == 0;
+    while (refill && !retry.empty() && inflight + static_cast<int>(batch.size()) < cap) {
       batch.push_back(retry.front());
       retry.pop_front();
     }
@@ -353,7 +356,7 @@ void Handle::worker_loop(Worker* w) {
         w->engine.reset();
         return;
       }
-      while (!queue_.empty() && inflight + static_cast<int>(batch.size()) < cap) {
+      while (refill && !queue_.empty() && inflight + static_cast<int>(batch.size()) < cap) {
         batch.push_back(queue_.front());
         queue_.pop_front();
       }
@@ -378,7 +381,9 @@ void Handle::worker_loop(Worker* w) {
 
     size_t pos = 0;
     while (pos < batch.size()) {
-      int r = eng.submit(batch.data() + pos, static_cast<int>(batch.size() - pos));
+      const int want = opts_.single_submit ? 1 : static_cast<int>(batch.size() - pos);
+      int r = eng.submit(batch.data() + pos, want);
+      submit_calls_.fetch_add(1, std::memory_order_relaxed);
       if (r == -EAGAIN || r == -EINTR || r == 0) break;  // the kernel is busy: reap, then retry
       if (r < 0) {
         // The error belongs to the first chunk offered; the rest may be fine.

@@ -34,6 +34,10 @@ struct HandleOptions {
   int queue_depth = 32;         // pieces in flight per worker
   int threads = 1;              // workers, each with its own engine
   bool direct = true;           // O_DIRECT for the aligned bulk of a request
+  // DeepSpeed's two aio switches, with the same meaning:
+  bool single_submit = false;   // one chunk per submit syscall instead of a batch
+  bool overlap_events = true;   // refill the queue as chunks complete; false: submit a batch,
+                                // wait for all of it, then submit the next
 };
 
 class Request {
@@ -96,6 +100,8 @@ class Handle {
   int64_t inflight() const { return inflight_.load(); }
   uint64_t bytes_read() const { return bytes_read_.load(); }
   uint64_t bytes_written() const { return bytes_written_.load(); }
+  // Engine submit calls so far (a syscall each for libaio; io_uring_submit for io_uring).
+  uint64_t submit_calls() const { return submit_calls_.load(); }
 
  private:
   friend class Request;
@@ -119,6 +125,7 @@ class Handle {
   std::atomic<int64_t> inflight_{0};
   std::atomic<uint64_t> bytes_read_{0};
   std::atomic<uint64_t> bytes_written_{0};
+  std::atomic<uint64_t> submit_calls_{0};
 };
 
 }  // namespace infinity::io

@@ -171,3 +171,32 @@ def test_infinite_timeout_means_forever(backend, disk_dir):
     with AsyncIO(backend=backend) as h:
         assert h.pwrite(np.zeros(100, np.uint8), disk_dir / "i.bin").wait(timeout=float("inf")) == 100
         assert h.pwrite(np.zeros(100, np.uint8), disk_dir / "i.bin").wait(timeout=1e300) == 100
+
+
+@pytest.mark.parametrize("single_submit,overlap_events", [(False, True), (True, True), (False, False), (True, False)])
+def test_submit_knobs_change_how_pieces_reach_the_kernel(native_backend, disk_dir, single_submit, overlap_events):
+    # 64 pieces of 4 KiB through a queue 8 deep. single_submit hands the kernel one piece per call;
+    # without overlap_events a batch of 8 goes out only into an empty queue, so 8 calls suffice.
+    src = np.random.default_rng(3).integers(0, 256, 64 * 4096, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    with AsyncIO(backend=native_backend, block_size=4096, queue_depth=8, single_submit=single_submit,
+                 overlap_events=overlap_events) as h:
+        h.write(src, disk_dir / "k.bin")
+        writes = h.submit_calls
+        h.read(dst, disk_dir / "k.bin")
+        reads = h.submit_calls - writes
+    assert np.array_equal(src, dst)
+    for calls in (writes, reads):
+        if single_submit or native_backend == "threads":  # threads: a blocking call per piece, always
+            assert calls >= 64
+        elif not overlap_events:
+            assert 8 <= calls <= 12, calls
+        else:
+            assert 8 <= calls < 64, calls
+
+
+def test_submit_knobs_must_be_bools():
+    with pytest.raises(ValueError, match="single_submit must be True or False"):
+        AsyncIO(single_submit="true")
+    with pytest.raises(ValueError, match="overlap_events must be True or False"):
+        AsyncIO(overlap_events=1)
