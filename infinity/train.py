@@ -1,11 +1,8 @@
 """`infinity train`: train a decoder-only transformer with the ZeRO engine, on a built-in dataset.
 
-The data is text shipped with the package, not downloaded: the bytes of
-infinity's own Python source, one token per byte (modulo the vocabulary
-when it is smaller than 256). Each sequence is a window at a position drawn
-from the step number, so every rank derives the same global batch and takes
-its slice. Source code is real text with real structure: the loss falls
-quickly (the byte distribution) and then keeps falling (its syntax).
+The data is English-like text generated from a fixed seed by a small
+grammar (`infinity.data`), one token per byte: the same bytes everywhere,
+with real structure, so the loss really falls.
 
 Writes `metrics.jsonl` (one object per optimizer step) and `metrics.png`
 (loss, and the step time split into compute, exposed I/O and
@@ -188,7 +185,7 @@ def _train(args, out: Path, nvme: str) -> int:
         with open(out / "run.json", "w") as f:
             json.dump({"model": args.model, "numel": numel, "world": world, "micro_batch": micro, "seq": seq,
                        "steps": args.steps, "param_tier": engine.store.tier, "optimizer_tier": engine.optimizer.tier,
-                       "baseline_rss_bytes": baseline}, f, indent=2)
+                       "baseline_rss_bytes": baseline, "swap_bytes_after_setup": _dir_bytes(nvme)}, f, indent=2)
     metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None
     rows = []
     try:
@@ -225,37 +222,28 @@ def _train(args, out: Path, nvme: str) -> int:
     return 0
 
 
-_CORPUS = None
-
-
-def corpus():
-    """The training text: infinity's own .py files, sorted by path, as one byte tensor (int64)."""
-    global _CORPUS
-    if _CORPUS is None:
-        import torch
-
-        root = Path(__file__).resolve().parent
-        text = b"".join(p.read_bytes() for p in sorted(root.rglob("*.py")))
-        _CORPUS = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    return _CORPUS
-
-
 def _batch(step: int, size: int, seq: int, vocab: int):
-    import torch
+    from infinity.data import batch
 
-    data = corpus()
-    g = torch.Generator().manual_seed(1000 + step)
-    starts = torch.randint(0, data.numel() - seq - 1, (size,), generator=g)
-    tokens = torch.stack([data[i:i + seq + 1] for i in starts.tolist()])
-    if vocab < 256:
-        tokens = tokens % vocab
-    return tokens[:, :-1], tokens[:, 1:]
+    return batch(step, size, seq, vocab)
 
 
 def baseline_rss() -> int:
     from infinity.plan import baseline_rss as measure
 
     return measure()
+
+
+def _dir_bytes(path: str) -> int:
+    """Bytes of the files under `path` (this rank's and the others' swap files)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass  # removed while walking
+    return total
 
 
 def _peak_rss() -> int:
