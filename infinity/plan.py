@@ -60,6 +60,7 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -205,7 +206,8 @@ def measure_layer(block, *, micro: int, seq: int, dim: int, dtype) -> float | No
 
 
 def measure_rates(*, dim: int, tokens: int, dtype, nvme_path: str | None, aio: dict | None = None,
-                  disk_bytes: int = 256 << 20, shape: "ModelShape | None" = None, micro: int = 1) -> Rates:
+                  disk_bytes: int = 256 << 20, shape: "ModelShape | None" = None, micro: int = 1,
+                  direct: bool = True) -> Rates:
     """A few seconds of measurement: matmul, one layer, CPU Adam, memcpy, and a write and read pass on the disk."""
     import torch
 
@@ -236,7 +238,7 @@ def measure_rates(*, dim: int, tokens: int, dtype, nvme_path: str | None, aio: d
 
     read = write = None
     if nvme_path is not None:
-        read, write = measure_disk(nvme_path, aio or {}, disk_bytes)
+        read, write = measure_disk(nvme_path, aio or {}, disk_bytes, direct=direct)
     layer = None if shape is None else measure_layer(shape.block, micro=micro, seq=shape.seq, dim=shape.dim,
                                                       dtype=dtype)
     return Rates(flops=flops, adam_params_s=adam, memcpy_bytes_s=memcpy, disk_read_bytes_s=read,
@@ -254,7 +256,7 @@ def _best_of(n: int, fn) -> float:
     return best
 
 
-def measure_disk(path: str, aio: dict, nbytes: int) -> tuple[float, float]:
+def measure_disk(path: str, aio: dict, nbytes: int, direct: bool = True) -> tuple[float, float]:
     """(read, write) bytes/s of one pass each through AsyncIO with these aio settings; the file is removed."""
     from infinity.io import AsyncIO, aligned_empty
 
@@ -265,7 +267,9 @@ def measure_disk(path: str, aio: dict, nbytes: int) -> tuple[float, float]:
     try:
         with AsyncIO(backend=backend if backend != "python" else "auto",
                      block_size=aio.get("block_size", 1 << 20), queue_depth=aio.get("queue_depth", 32),
-                     threads=aio.get("intra_op_parallelism", 1)) as h:
+                     threads=aio.get("intra_op_parallelism", aio.get("thread_count", 1)), direct=direct,
+                     single_submit=aio.get("single_submit", False),
+                     overlap_events=aio.get("overlap_events", True)) as h:
             h.write(buf, f)  # lay out
             t0 = time.perf_counter()
             h.write(buf, f)
@@ -318,9 +322,10 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
     act = activation_bytes(shape, micro, precision)
     # Gathered at once: the biggest module's full parameters and their gradients, in the compute dtype.
     gathered = 2 * shape.largest_module * e
-    # Gradient buckets in flight between ranks (one being filled, one being reduced).
     reduce_bucket = max(shape.largest_module, min(1 << 22, shard // 8))
-    buckets = 2 * 4 * reduce_bucket if world > 1 else 0
+    # The bucket being filled can pass reduce_bucket by up to one parameter, and while one is packed and
+    # reduced the previous may still be in flight: three buckets' worth of fp32.
+    buckets = 3 * 4 * (reduce_bucket + shape.largest_module) if world > 1 else 0
     # (params, optimizer, state in RAM while training, state in RAM during setup, pools).
     # Parameters kept in RAM are built in fp32 (their initial values become the fp32 master weights), and each
     # optimizer sub-group turns its parameters into the compute dtype once its master exists: setup holds
@@ -365,7 +370,7 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
             continue
         reads, writes = io_bytes(ptier, otier, shard, precision)
         t = step_time(shape, rates, micro=micro, shard=shard, reads=reads, writes=writes, param_tier=ptier,
-                      checksums=bool((base or {}).get("infinity", {}).get("checksums", True)))
+                      checksums=bool((base or {}).get("infinity", {}).get("checksums", True)), world=world)
         cfg = _config(base, ptier, otier, nvme_path, pbufs, psize, obufs, group, prefetch, budget, precision,
                       micro, reduce_bucket)
         return Plan(param_tier=ptier, optimizer_tier=otier, param_buffer_count=pbufs, param_buffer_size=psize,
@@ -397,12 +402,12 @@ def _size_pools(pools, left: int, shape: ModelShape, shard: int, largest_shard: 
     """
     grads = 0 if full_grads else 2 * 4 * ALLOCATOR_SLACK
     left = int(left * (1 - MARGIN))
-    if pools is None:  # optimizer in RAM: sub-groups only bound the gradients in flight
-        group = max(largest_shard, min(shard, 1 << 24))
-        return 1, largest_shard, 1, group, 0, 0, int(grads * group)
+    if pools is None:  # optimizer in RAM: sub-groups bound the gradients in flight and the master being built
+        group = max(largest_shard, min(shard, 1 << 24, int(left // (grads + 4))))
+        return 1, largest_shard, 1, group, 0, 0, int(min(grads * group, grads / 2 * shard))
     # Parameter buffers hold fp32 shards (4 B/element) and must hold the largest one.
     psize = largest_shard
-    layer = max(shape.numel // max(shape.layers, 1), 1)
+    layer = max(math.ceil(shape.numel / max(shape.layers, 1) / max(math.ceil(shape.numel / shard), 1)), 1)
     pbufs = pbytes = 0
     min_opt = int((min(OPT_BUFFERS) * 12 + grads) * max(largest_shard, 1))
     if pools == "both":
@@ -428,7 +433,8 @@ def _size_pools(pools, left: int, shape: ModelShape, shard: int, largest_shard: 
         return None
     group = int(group)
     prefetch = max(psize, (pbufs - 1) * psize) if pools == "both" else 0
-    return pbufs or 1, psize, obufs, group, int(prefetch), pbytes + obufs * 12 * group, int(grads * group)
+    inflight = int(min(grads * group, grads / 2 * shard))  # two sub-groups, or the whole shard if smaller
+    return pbufs or 1, psize, obufs, group, int(prefetch), pbytes + obufs * 12 * group, inflight
 
 
 def io_bytes(ptier: str, otier: str, shard: int, precision: str) -> tuple[int, int]:
@@ -446,7 +452,7 @@ def io_bytes(ptier: str, otier: str, shard: int, precision: str) -> tuple[int, i
 
 
 def step_time(shape: ModelShape, rates: Rates, *, micro: int, shard: int, reads: int, writes: int,
-              param_tier: str, checksums: bool = True) -> dict:
+              param_tier: str, checksums: bool = True, world: int = 1) -> dict:
     tokens = micro * shape.seq
     passes = 8 if shape.checkpoint else 6  # forward 2, backward 4, recompute 2 FLOPs per param per token
     flops = passes * shape.numel * tokens + passes * shape.layers * shape.seq * shape.seq * shape.dim * micro
@@ -466,7 +472,8 @@ def step_time(shape: ModelShape, rates: Rates, *, micro: int, shard: int, reads:
         copies += (reads + writes) / rates.crc_bytes_s
     io = 0.0
     if reads or writes:
-        io = reads / rates.disk_read_bytes_s + writes / rates.disk_write_bytes_s
+        # The ranks on this host share its disk (and its cores, below): each waits for all of them.
+        io = world * (reads / rates.disk_read_bytes_s + writes / rates.disk_write_bytes_s)
     # Each module with parameters is gathered and released in forward and in backward (and again when a
     # checkpointed layer is recomputed): hooks, pool bookkeeping, futures.
     hooks = (3 if shape.checkpoint else 2) * shape.modules * PER_MODULE_S[param_tier]
@@ -475,8 +482,16 @@ def step_time(shape: ModelShape, rates: Rates, *, micro: int, shard: int, reads:
     # norms, copies of gathered shards.
     engine = shard * PER_PARAM_S
     cpu = compute + adam + copies + engine
+    if not _cuda():  # CPU training: the local ranks share this host's cores
+        cpu *= world
     step = io + OVERLAP_LEAK["io_bound"] * cpu if io >= cpu else cpu + OVERLAP_LEAK["cpu_bound"] * io
     return {"step": step, "compute": compute, "adam": adam, "copies": copies, "engine": engine, "io": io}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _config(base, ptier, otier, nvme_path, pbufs, psize, obufs, group, prefetch, budget, precision, micro,
@@ -513,7 +528,8 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="a config to start from (its optimizer, aio, clipping ...)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="default: the --config's, else bf16")
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--micro-batch", type=int, default=None, help="samples per rank per step (default: the "
+                   "--config's train_micro_batch_size_per_gpu, else 1)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's, at most 256)")
     p.add_argument("--nproc", type=int, default=1, help="ranks on this host (the budget is shared)")
     p.add_argument("--write", default=None, metavar="CONFIG", help="write the planned config here")
@@ -521,7 +537,7 @@ def add_arguments(p) -> None:
 
 
 def make_plan(*, model: str, memory_budget, nvme_path: str | None, config: str | None = None,
-              precision: str | None = None, micro: int = 1, seq: int | None = None, nproc: int = 1,
+              precision: str | None = None, micro: int | None = None, seq: int | None = None, nproc: int = 1,
               rates: Rates | None = None) -> tuple[Plan, ModelShape, Rates]:
     """Parse, measure and plan: what `infinity plan` and `infinity train --memory-budget` share."""
     import torch
@@ -531,25 +547,32 @@ def make_plan(*, model: str, memory_budget, nvme_path: str | None, config: str |
     budget = parse_size(memory_budget, name="--memory-budget")
     if budget < (1 << 20):
         raise ValueError(f"--memory-budget must be at least 1MiB, got {memory_budget!r}")
-    if micro < 1:
+    if micro is not None and micro < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {micro}")
+    if seq is not None and seq < 1:
+        raise ValueError(f"--seq must be >= 1, got {seq}")
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if nvme_path is not None and not os.path.isdir(nvme_path):
         raise ValueError(f"--nvme-path {nvme_path}: not a directory")
     base = {}
     if config is not None:
-        load_config(config, nvme_path=nvme_path)  # validated as a whole first, naming any bad key
+        # Validated as a whole first, naming any bad key; its nvme_path is replaced by the plan's, so a
+        # placeholder such as DeepSpeed's "/local_nvme" must not fail here.
+        load_config(config, nvme_path=nvme_path or tempfile.gettempdir())
         with open(config) as f:
             base = json.load(f)
     if precision is None:
         precision = "bf16" if base.get("bf16", {}).get("enabled") or not base else (
             "fp16" if base.get("fp16", {}).get("enabled") else "fp32")
+    if micro is None:
+        micro = int(base.get("train_micro_batch_size_per_gpu") or 1)
     shape = model_shape(model, seq)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     if rates is None:
         rates = measure_rates(dim=shape.dim, tokens=micro * shape.seq, dtype=dtype, nvme_path=nvme_path,
-                              aio=base.get("aio"), shape=shape, micro=micro)
+                              aio=base.get("aio"), shape=shape, micro=micro,
+                              direct=bool(base.get("infinity", {}).get("direct_io", True)))
     p = plan(shape, budget, rates, precision=precision, micro=micro, world=nproc, nvme_path=nvme_path, base=base,
              clipping=float(base.get("gradient_clipping", 0) or 0) > 0,
              grad_accum=int(base.get("gradient_accumulation_steps", 1)))

@@ -47,6 +47,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.seq is not None and args.seq < 1:
+        raise ValueError(f"--seq must be >= 1, got {args.seq}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.nproc < 1:

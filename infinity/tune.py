@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import time
@@ -141,7 +142,9 @@ class Tuner:
         coarse = []
         for b in self.backends:
             if b == "threads":
-                coarse += [Setting(b, bs, 1, t) for bs in BLOCK_SIZES for t in THREADS_BACKEND_WORKERS]
+                # Queue depth does not apply to threads (a blocking call per piece); 32 is recorded so that the
+                # section stays sensible for an engine that reads it, e.g. DeepSpeed's libaio.
+                coarse += [Setting(b, bs, 32, t) for bs in BLOCK_SIZES for t in THREADS_BACKEND_WORKERS]
             else:
                 coarse += [Setting(b, bs, qd) for bs in BLOCK_SIZES for qd in QUEUE_DEPTHS]
         # Interleave the backends, so that a short budget samples each of them.
@@ -192,9 +195,11 @@ def _pad(groups: list[list]) -> list[list]:
 
 
 def _pattern(n: int):
+    """n bytes of a 251-periodic pattern, built without an n-element wider temporary."""
     import torch
 
-    return torch.arange(n, dtype=torch.int32).remainder_(251).to(torch.uint8)
+    period = torch.arange(251, dtype=torch.uint8)
+    return period.repeat(-(-n // 251))[:n]
 
 
 def _header() -> str:
@@ -250,10 +255,12 @@ def run(args) -> int:
           f"backends {', '.join(backends)}", flush=True)
     print(_header(), flush=True)
     tuner = Tuner(args.nvme_path, size, budget, backends, log=lambda line: print(line, flush=True))
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that `finally` removes the test file
     try:
         best = tuner.run()
     finally:
         tuner.close()
+        signal.signal(signal.SIGTERM, previous)
     ranked = sorted(tuner.results.values(), key=lambda m: -m.score)
     best_read = max(ranked, key=lambda m: m.read_gbps)
     best_write = max(ranked, key=lambda m: m.write_gbps)
@@ -269,6 +276,10 @@ def run(args) -> int:
         print(f"# aio section written to {args.write}", flush=True)
     print(json.dumps(section), flush=True)
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _short(s: Setting) -> str:

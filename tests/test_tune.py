@@ -76,6 +76,7 @@ def test_plot(disk_dir, tmp_path):
     (["--size", "1MiB"], "--size must be a multiple of 4096 and at least 16MiB"),
     (["--backend", "floppy"], "--backend floppy: not usable here"),
 ])
+@needs_native
 def test_bad_arguments(disk_dir, args, message):
     out = tune("--nvme-path", str(disk_dir), *args)
     assert out.returncode == 2 and message in out.stderr, out.stderr
