@@ -503,8 +503,11 @@ def _config(base, ptier, otier, nvme_path, pbufs, psize, obufs, group, prefetch,
     cfg["fp16"] = dict(cfg.get("fp16", {}), enabled=precision == "fp16")
     zero = cfg.setdefault("zero_optimization", {})
     zero["stage"] = 3
-    zero["offload_param"] = {"device": ptier}
-    zero["offload_optimizer"] = {"device": otier}
+    # Only the placement and the sizes are planned; the base's other choices (pin_memory, pipelining) stay.
+    keep = ("pin_memory", "pipeline_read", "pipeline_write")
+    zero["offload_param"] = {"device": ptier, **{k: v for k, v in zero.get("offload_param", {}).items() if k in keep}}
+    zero["offload_optimizer"] = {"device": otier,
+                                 **{k: v for k, v in zero.get("offload_optimizer", {}).items() if k in keep}}
     if ptier == "nvme":
         zero["offload_param"].update(nvme_path=nvme_path, buffer_count=pbufs, buffer_size=psize)
         zero["stage3_prefetch_bucket_size"] = prefetch

@@ -92,6 +92,17 @@ def test_two_ranks_get_a_loadable_config_with_gradient_buckets(small, tmp_path):
     assert load_config(p.config).zero_optimization.reduce_bucket_size >= small.largest_module
 
 
+def test_the_base_configs_other_choices_are_kept(small, tmp_path):
+    base = {"zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": 99},
+                                  "offload_optimizer": {"pin_memory": True, "pipeline_read": True}},
+            "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    p = plan(small, 32 * MiB, RATES, nvme_path=str(tmp_path), base=base)
+    zero = p.config["zero_optimization"]
+    assert zero["offload_param"]["pin_memory"] and zero["offload_optimizer"]["pipeline_read"]
+    assert zero["offload_param"]["buffer_count"] == p.param_buffer_count != 99, "sizes are planned"
+    assert p.config["optimizer"]["params"]["lr"] == 0.01
+
+
 def test_micro_batch_and_precision_come_from_the_base_config(tmp_path):
     from infinity.plan import make_plan
 
@@ -172,3 +183,15 @@ def test_train_within_a_budget_an_eighth_of_the_state(disk_dir, tmp_path):
     plan_doc = json.loads((out / "plan.json").read_text())
     assert plan_doc["predicted_peak_bytes"] <= budget
     assert list(disk_dir.glob("infinity-swap*/*")) == [], "swap files are removed at the end"
+
+
+def test_bench_plan_smoke(disk_dir):
+    proc = subprocess.run(INFINITY + ["bench", "plan", "--models", "gpt-tiny", "--memory-budget", "64MiB",
+                                      "--nvme-path", str(disk_dir), "--steps", "2", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["model"] == "gpt-tiny" and row["numel"] > 0 and row["step_s"] > 0 and row["predicted_step_s"] > 0
+    assert row["step_ratio"] == pytest.approx(row["step_s"] / row["predicted_step_s"])
+    assert row["peak_over_baseline_bytes"] <= row["memory_budget"] == 64 * MiB
+    assert len(row["losses"]) == 2 and all(math.isfinite(x) for x in row["losses"])

@@ -11,6 +11,7 @@ rows make the cost-per-parameter table of the README.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--keep", default=None, metavar="DIR", help="keep each run's directory under DIR")
     p.add_argument("--json", action="store_true", help="one JSON object per model")
+    p.add_argument("--timeout", type=float, default=4 * 3600, help="seconds one model's run may take (default 4 h)")
 
 
 def run(args) -> int:
@@ -44,6 +46,14 @@ def run(args) -> int:
         raise ValueError(f"--steps must be >= 2 (the first step records the trace), got {args.steps}")
     config = args.config or str(REPO_CONFIGS / "huge_2b.json")
     keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="infinity-bench-plan."))
+    try:
+        return _run(args, config, keep)
+    finally:
+        if not args.keep:
+            shutil.rmtree(keep, ignore_errors=True)
+
+
+def _run(args, config: str, keep: Path) -> int:
     rows = []
     if not args.json:
         print(f"# bench plan: budget {args.memory_budget}, {args.steps} steps, seq {args.seq}, config {config}")
@@ -57,7 +67,7 @@ def run(args) -> int:
         if args.lr is not None:
             cmd += ["--lr", str(args.lr)]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             print(f"{model}: infinity train failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}",
@@ -77,7 +87,8 @@ def run(args) -> int:
     missed = [r["model"] for r in rows if not r["within_tolerance"]]
     if not args.json:
         print(f"# predictions within {TOLERANCE:.0%}: {len(rows) - len(missed)}/{len(rows)}"
-              + (f" (missed: {', '.join(missed)})" if missed else "") + f"; runs in {keep}")
+              + (f" (missed: {', '.join(missed)})" if missed else "")
+              + (f"; runs in {keep}" if args.keep else "; pass --keep DIR to keep the runs"))
     return 0
 
 
