@@ -64,7 +64,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from infinity.units import format_size, parse_size
+from infinity.units import parse_size
 
 MODEL_EFFICIENCY = 0.6
 PER_MODULE_S = {"nvme": 1.5e-3, "none": 0.3e-3}  # hooks, pool bookkeeping and futures per module gather
@@ -459,8 +459,7 @@ def step_time(shape: ModelShape, rates: Rates, *, micro: int, shard: int, reads:
     if rates.layer_s is not None:
         # Measured layers (a checkpointed layer runs its forward twice: + 1/3), FLOPs for the rest (embeddings,
         # the LM head, the loss).
-        in_layers = shape.layers * (shape.numel // max(shape.layers, 1)) if shape.block is None else (
-            shape.layers * sum(p.numel() for p in shape.block.parameters()))
+        in_layers = shape.layers * sum(p.numel() for p in shape.block.parameters())  # layer_s implies a block
         rest = max(shape.numel - in_layers, 0)
         compute = shape.layers * rates.layer_s * (4 / 3 if shape.checkpoint else 1.0)
         compute += 6 * rest * tokens / (rates.flops * MODEL_EFFICIENCY)

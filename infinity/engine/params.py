@@ -52,16 +52,7 @@ class ParamStatus(enum.Enum):
 
 @dataclass(eq=False)
 class ManagedParam:
-    """One parameter partitioned over ranks (see [Note: gradient buckets]
-With several ranks, full gradients are collected in a bucket of up to
-`reduce_bucket_size` elements, packed rank-major (row r holds every shard
-rank r owns), and reduce-scattered as one collective: NCCL's reduce-scatter,
-or gloo's all-reduce and a slice. A bucket's collective runs asynchronously
-while backward produces the next bucket, and lands (is added to the owners'
-fp32 gradients) when the next bucket is sent or backward ends. Every rank
-fills its buckets in the same order, because its graph is the same.
-
-[Note: shard layout])."""
+    """One parameter partitioned over ranks (see [Note: shard layout])."""
 
     param: torch.nn.Parameter
     name: str

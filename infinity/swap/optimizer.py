@@ -96,14 +96,7 @@ class OptimizerSwapper:
                     raise
                 t1 = time.perf_counter()
                 stats.io_wait_s += t1 - t0
-                try:
-                    cpu_adam_step(state[:n], grads[i], state[n:2 * n], state[2 * n:],
-                                  out_lowp=None if out_lowp is None else out_lowp[i], **hyper)
-                    if on_updated is not None:
-                        on_updated(i, state[:n])
-                except BaseException:
-                    sw.release(self.ids[i])  # its file still holds the state from before this step
-                    raise
+                self._adam(i, state, grads[i], None if out_lowp is None else out_lowp[i], on_updated, hyper)
                 t2 = time.perf_counter()
                 stats.compute_s += t2 - t1
                 writes.append(sw.swap_out(self.ids[i], state))
@@ -122,6 +115,18 @@ class OptimizerSwapper:
         stats.bytes_read = stats.bytes_written = 12 * sum(self.numels)
         stats.wall_s = time.perf_counter() - t_start
         return stats
+
+    def _adam(self, index: int, state: torch.Tensor, grad, out_lowp, on_updated, hyper: dict) -> None:
+        """Adam in place on a group's [param | exp_avg | exp_avg_sq] buffer; on error the buffer goes back
+        to the pool unwritten, so the group's file still holds the state from before this step."""
+        n = self.numels[index]
+        try:
+            cpu_adam_step(state[:n], grad, state[n:2 * n], state[2 * n:], out_lowp=out_lowp, **hyper)
+            if on_updated is not None:
+                on_updated(index, state[:n])
+        except BaseException:
+            self.swapper.release(self.ids[index])
+            raise
 
     # ------------------------------------------------ one group at a time
 
@@ -146,14 +151,7 @@ class OptimizerSwapper:
         fut = self._reads.pop(index, None) or sw.swap_in(self.ids[index])
         state = fut.wait()
         t1 = time.perf_counter()
-        try:
-            cpu_adam_step(state[:n], grad, state[n:2 * n], state[2 * n:], out_lowp=out_lowp, check_finite=False,
-                          **hyper)
-            if on_updated is not None:
-                on_updated(index, state[:n])
-        except BaseException:
-            sw.release(self.ids[index])  # the file still holds the state from before this step
-            raise
+        self._adam(index, state, grad, out_lowp, on_updated, dict(hyper, check_finite=False))
         t2 = time.perf_counter()
         self._writes.append(sw.swap_out(self.ids[index], state))
         stats.io_wait_s += t1 - t0
