@@ -152,6 +152,9 @@ def test_plan_command_writes_a_config_that_loads(tmp_path):
     (["--memory-budget", "1KiB"], "--memory-budget must be at least 1MiB"),
     (["--memory-budget", "1GiB", "--nvme-path", "/nonexistent/swap"], "--nvme-path /nonexistent/swap: not a directory"),
     (["--memory-budget", "1GiB", "--model", "gpt-huge"], "--model 'gpt-huge': not a preset"),
+    (["--memory-budget", "1GiB", "--micro-batch", "0"], "--micro-batch must be >= 1, got 0"),
+    (["--memory-budget", "1GiB", "--seq", "-5"], "--seq must be >= 1, got -5"),
+    (["--memory-budget", "1GiB", "--nproc", "0"], "--nproc must be >= 1, got 0"),
 ])
 def test_bad_plan_arguments(args, message):
     argv = ["plan"] + (["--model", "gpt-small"] if "--model" not in args else []) + args

@@ -51,6 +51,7 @@ def test_train_on_two_ranks_through_torchrun(tmp_path, disk_dir):
     (["--memory-budget", "1MiB"], "--memory-budget 1.00 MiB: no placement of gpt-small"),
     (["--memory-budget", "plenty"], "--memory-budget: cannot read 'plenty' as a size"),
     (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--seq", "0"], "--seq must be >= 1, got 0"),
     (["--config", "/nonexistent.json"], "/nonexistent.json"),
 ])
 def test_train_bad_input_is_one_clear_line(tmp_path, args, message):
