@@ -86,6 +86,22 @@ class Comm:
             self._run("broadcast", dist.broadcast, t, src=src)
         return t
 
+    def all_ok(self, ok: bool) -> bool:
+        """True when `ok` is true on every rank (a barrier that also carries whether each rank succeeded)."""
+        if self.world == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        self._run("all_reduce", dist.all_reduce, flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def broadcast_object(self, obj, src: int = 0):
+        """`obj` of rank `src`, on every rank (small, picklable values only)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        self._run("broadcast_object_list", dist.broadcast_object_list, box, src=src)
+        return box[0]
+
     def _run(self, name, fn, *args, **kwargs):
         t0 = time.perf_counter()
         try:

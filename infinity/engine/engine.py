@@ -195,11 +195,25 @@ class Engine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
-    def save_checkpoint(self, directory, tag=None):
-        raise NotImplementedError("Engine.save_checkpoint: streamed zarr checkpoints are not built yet (issue 7)")
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None) -> str:
+        """Write every rank's fp32 master weights, Adam moments, the step counters, loss scaler, lr
+        scheduler, RNG states, buffers and `client_state` (JSON: e.g. the data position) as the zarr store
+        save_dir/<tag> (default tag global_step<N>), then point save_dir/latest at it. Call it on every
+        rank, after engine.step(). Atomic: see [Note: atomic checkpoint] in infinity/checkpoint/layout.py.
+        Returns the checkpoint's path."""
+        self._check_open()
+        from infinity.checkpoint.save import save
 
-    def load_checkpoint(self, directory, tag=None):
-        raise NotImplementedError("Engine.load_checkpoint: streamed zarr checkpoints are not built yet (issue 7)")
+        return save(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir, tag: str | None = None, *, verify: bool = True):
+        """Resume from save_dir/<tag> (default: the tag save_dir/latest names), saved by any number of ranks
+        under any offload config. Returns (path, client_state). verify=False skips the checksum pass of
+        [Note: verify before load]: faster, but corrupted bytes then go undetected."""
+        self._check_open()
+        from infinity.checkpoint.load import load
+
+        return load(self, load_dir, tag, verify=verify)
 
     def close(self) -> None:
         """Remove hooks, stop I/O and delete swap files. The model's parameters are left as placeholders."""

@@ -281,6 +281,116 @@ class ShardedAdam(torch.optim.Optimizer):
                 continue
             self.store.write_shard(mp, values)
 
+    # ------------------------------------------------------------ checkpoints
+
+    def export_state(self, use) -> None:
+        """Call use(group, param, exp_avg, exp_avg_sq) for every group, with CPU fp32 views of its state.
+
+        `use` returns a function that waits until it is done with the views
+        (its writes have landed). On NVMe the next group is read while the
+        previous one's writes are in flight; at most two groups' buffers are
+        held. Nothing here changes the state.
+        """
+        if self.swapper is None:
+            waits = []
+            for g in self.groups:
+                if g.master.device.type == "cpu":
+                    waits.append(use(g, g.master, g.exp_avg, g.exp_avg_sq))
+                else:  # one group's copy at a time
+                    use(g, g.master.cpu(), g.exp_avg.cpu(), g.exp_avg_sq.cpu())()
+            for w in waits:
+                w()
+            return
+        sw, ids = self.swapper.swapper, self.swapper.ids
+        inflight: list = []  # (id, wait) of groups whose buffers the writes still read
+
+        def retire():
+            pid, w = inflight.pop(0)
+            try:
+                w()
+            finally:
+                sw.release(pid)
+
+        fut = sw.swap_in(ids[0]) if ids else None
+        fut_id = ids[0] if ids else None
+        try:
+            for i, g in enumerate(self.groups):
+                state = fut.wait()
+                fut = fut_id = None
+                if i + 1 < len(ids):
+                    fut, fut_id = sw.swap_in(ids[i + 1], prefetch=True), ids[i + 1]
+                n = g.numel
+                try:
+                    w = use(g, state[:n], state[n:2 * n], state[2 * n:])
+                except BaseException:
+                    sw.release(ids[i])
+                    raise
+                inflight.append((ids[i], w))
+                while len(inflight) > 1 or (inflight and fut is None and i + 1 < len(ids)):
+                    retire()
+                if fut is None and i + 1 < len(ids):
+                    fut = sw.swap_in(ids[i + 1])
+        except BaseException:
+            while inflight:
+                try:
+                    retire()
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            if fut is not None:
+                try:
+                    fut.wait()
+                    sw.release(fut_id)
+                except BaseException:  # noqa: BLE001
+                    pass
+            raise
+        while inflight:
+            retire()
+
+    def import_state(self, fill) -> None:
+        """Replace every group's state: fill(group, param, exp_avg, exp_avg_sq) writes CPU fp32 views of it.
+
+        Then the parameter store gets the new weights (in the compute dtype),
+        and persistent parameters are re-gathered. An error part-way leaves a
+        mix of old and new groups: load_checkpoint verifies the whole
+        checkpoint before it calls this.
+        """
+        if self.swapper is None:
+            for g in self.groups:
+                if g.master.device.type == "cpu":
+                    fill(g, g.master, g.exp_avg, g.exp_avg_sq)
+                else:
+                    tmp = torch.empty(3, g.numel, dtype=torch.float32)
+                    fill(g, tmp[0], tmp[1], tmp[2])
+                    for dst, src in zip((g.master, g.exp_avg, g.exp_avg_sq), tmp):
+                        dst.copy_(src)
+                self._publish(g, g.master)
+        else:
+            sw, ids = self.swapper.swapper, self.swapper.ids
+            writes = []
+            try:
+                for i, g in enumerate(self.groups):
+                    n = g.numel
+                    buf = sw.pool.acquire(f"load {ids[i]}")
+                    try:
+                        state = buf.view(torch.float32, 3 * n)
+                        fill(g, state[:n], state[n:2 * n], state[2 * n:])
+                        self._publish(g, state[:n])
+                    except BaseException:
+                        sw.pool.release(buf)
+                        raise
+                    writes.append(sw.swap_out_buffer(ids[i], buf, torch.float32, 3 * n))
+            finally:
+                first = None
+                for w in writes:
+                    try:
+                        w.wait()
+                    except BaseException as exc:  # noqa: BLE001
+                        first = first or exc
+                if first is not None:
+                    raise first
+        self._flush()
+        self.store.refresh_persistent()
+
     def _flush(self) -> None:
         if self.store.tier == "nvme":
             self.store.swap.swapper.flush()

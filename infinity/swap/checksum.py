@@ -7,13 +7,16 @@ import torch
 from infinity._native_loader import native
 
 
-def crc32c(t: torch.Tensor, nbytes: int | None = None) -> int:
-    """CRC-32C of the first nbytes (default: all) bytes of a contiguous CPU tensor."""
+def crc32c(t: torch.Tensor, nbytes: int | None = None, seed: int = 0) -> int:
+    """CRC-32C of the first nbytes (default: all) bytes of a contiguous CPU tensor.
+
+    `seed` is the CRC of the bytes before these, so a stream can be checked piece by piece.
+    """
     n = t.numel() * t.element_size() if nbytes is None else nbytes
     if native is not None:
-        return native.crc32c(t.data_ptr(), n)
+        return native.crc32c(t.data_ptr(), n, seed)
     table = _table()
-    crc = 0xFFFFFFFF
+    crc = seed ^ 0xFFFFFFFF
     for b in t.reshape(-1).view(torch.uint8)[:n].tolist():
         crc = (crc >> 8) ^ table[(crc ^ b) & 0xFF]
     return crc ^ 0xFFFFFFFF

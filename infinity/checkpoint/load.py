@@ -1,0 +1,210 @@
+"""engine.load_checkpoint: verify everything this rank will read, then stream it into the engine's layout.
+
+The checkpoint's world size and offload config do not need to match the
+engine's: each rank reads its own range [r x part, (r+1) x part) of every
+parameter's arrays, whatever chunks (the saving ranks' shards) it spans,
+straight into its optimizer groups (pool buffers on NVMe, RAM tensors
+otherwise). See [Note: checkpoint layout].
+
+[Note: verify before load]
+Nothing in the engine changes until every chunk this rank will read has
+been read once and matched its CRC-32C, every rank has agreed, and the
+model's names and shapes have been checked against the manifest. So a
+missing, partial, corrupted or mismatched checkpoint raises with the engine
+exactly as it was. The price is reading the checkpoint twice: the second
+pass reads only the bytes needed, straight into place.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import os
+import random
+
+import numpy as np
+import torch
+
+from infinity.checkpoint.layout import (FORMAT, LATEST, STATES, VERSION, CheckpointError, check_tag, chunk_path,
+                                        partial_dir, read_json)
+from infinity.checkpoint.save import extra_tensors, together
+from infinity.checkpoint.stream import ChunkReader, open_io
+
+_TORCH_DTYPES = {str(d).replace("torch.", ""): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
+
+
+def resolve(directory, tag: str | None = None) -> tuple[str, dict]:
+    """(checkpoint root, manifest) of `tag` (default: the one DIR/latest names), or a CheckpointError saying why not."""
+    directory = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"no checkpoint at {directory}: " + (
+            "it is not a directory" if os.path.exists(directory) else "no such directory"))
+    if tag is None:
+        latest = os.path.join(directory, LATEST)
+        if not os.path.exists(latest):
+            partials = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, ".*.partial")))
+            raise CheckpointError(f"no checkpoint in {directory}: it has no '{LATEST}' file" + (
+                f" (only the interrupted save(s) {partials})" if partials else "") + "; pass tag= to load a "
+                "specific one")
+        with open(latest) as f:
+            tag = f.read().strip()
+    check_tag(tag)
+    root = os.path.join(directory, tag)
+    if not os.path.isdir(root):
+        if os.path.exists(partial_dir(directory, tag)):
+            raise CheckpointError(f"checkpoint {tag!r} in {directory} is partial: its save was interrupted "
+                                  f"({partial_dir(directory, tag)} was never completed); load another tag")
+        tags = sorted(d for d in os.listdir(directory) if os.path.exists(os.path.join(directory, d, "zarr.json")))
+        raise CheckpointError(f"checkpoint {tag!r} not found in {directory}; complete checkpoints there: {tags}")
+    meta_path = os.path.join(root, "zarr.json")
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"checkpoint {root} is partial: it has no zarr.json (written last by a save)")
+    try:
+        meta = read_json(meta_path)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {root} is corrupted: {meta_path} is not valid JSON ({exc})") from None
+    m = meta.get("attributes", {}).get("infinity_checkpoint") if isinstance(meta, dict) else None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{root} is not an infinity checkpoint (its zarr.json has no infinity_checkpoint "
+                              "attribute)")
+    if m.get("version", 0) > VERSION:
+        raise CheckpointError(f"checkpoint {root} has format version {m.get('version')}; this infinity reads up to "
+                              f"{VERSION}: upgrade infinity")
+    if not m.get("complete"):
+        raise CheckpointError(f"checkpoint {root} is partial: its manifest is not marked complete")
+    return root, m
+
+
+def check_compatible(engine, m: dict, root: str) -> None:
+    """Names and shapes of every partitioned parameter and buffer must match; raises naming the first few that do not."""
+    saved = {p["name"]: p for p in m["params"]}
+    mine = {mp.name: mp for mp in engine.store.params}
+    problems = []
+    for name in mine.keys() - saved.keys():
+        problems.append(f"parameter {name} is not in the checkpoint")
+    for name in saved.keys() - mine.keys():
+        problems.append(f"checkpoint parameter {name} is not in the model")
+    for name in mine.keys() & saved.keys():
+        if list(mine[name].shape) != list(saved[name]["shape"]):
+            problems.append(f"parameter {name}: the checkpoint has shape {tuple(saved[name]['shape'])}, the model "
+                            f"{tuple(mine[name].shape)}")
+    extras = {e["name"]: e for e in m.get("extras", [])}
+    for name, t in extra_tensors(engine.module).items():
+        e = extras.get(name)
+        if e is None:
+            problems.append(f"buffer {name} is not in the checkpoint")
+        elif list(t.shape) != list(e["shape"]):
+            problems.append(f"buffer {name}: the checkpoint has shape {tuple(e['shape'])}, the model {tuple(t.shape)}")
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(f"checkpoint {root} does not fit this model: " + "; ".join(sorted(problems)[:5]) + more)
+
+
+def my_reads(engine, m: dict):
+    """(managed param, saved entry, lo, hi, [(chunk index, first element, last element)]) for this rank."""
+    saved = {p["name"]: p for p in m["params"]}
+    rank = engine.comm.rank
+    for mp in engine.store.params:
+        s = saved[mp.name]
+        lo, hi = rank * mp.part, min(mp.numel, (rank + 1) * mp.part)
+        pieces = []
+        pos = lo
+        while pos < hi:
+            c = pos // s["part"]
+            end = min(hi, (c + 1) * s["part"])
+            pieces.append((c, pos, end))
+            pos = end
+        yield mp, s, lo, hi, pieces
+
+
+def load(engine, directory, tag: str | None = None, *, verify: bool = True) -> tuple[str, object]:
+    """See Engine.load_checkpoint."""
+    comm = engine.comm
+    root, m = together(comm, "lookup", lambda: resolve(directory, tag))
+    together(comm, "compatibility check", lambda: check_compatible(engine, m, root))
+    io = open_io(engine.config, root)
+    reader = ChunkReader(io)
+    try:
+        if verify:
+            together(comm, "verification", lambda: _verify(engine, m, root, reader))
+        together(comm, "load", lambda: _load(engine, m, root, reader))
+    finally:
+        io.close()
+    return root, m.get("client_state")
+
+
+def _verify(engine, m: dict, root: str, reader: ChunkReader) -> None:
+    seen = set()
+    for mp, s, lo, hi, pieces in my_reads(engine, m):
+        for c, _, _ in pieces:
+            for state in STATES:
+                path = chunk_path(root, state, mp.name, c)
+                if path not in seen:
+                    seen.add(path)
+                    reader.verify(path, 4 * s["part"], f"{state} of parameter {mp.name}")
+    for e in m.get("extras", []):
+        n = int(np.prod(e["shape"], dtype=np.int64))
+        if n:
+            reader.verify(chunk_path(root, "extra", e["name"], 0), n * _TORCH_DTYPES[e["dtype"]].itemsize,
+                          f"buffer {e['name']}")
+    rank_meta = os.path.join(root, "ranks", str(engine.comm.rank % m["world_size"]), "zarr.json")
+    if not os.path.exists(rank_meta):
+        raise CheckpointError(f"checkpoint {root} is partial: {rank_meta} is missing")
+
+
+def _load(engine, m: dict, root: str, reader: ChunkReader) -> None:
+    plan = {id(mp): (s, lo, hi, pieces) for mp, s, lo, hi, pieces in my_reads(engine, m)}
+
+    def fill(g, p, mm, v):
+        futs = []
+        for mp, off in zip(g.params, g.offsets):
+            s, lo, hi, pieces = plan[id(mp)]
+            for state, dest in zip(STATES, (p, mm, v)):
+                d = dest[off:off + mp.part]
+                d[max(0, hi - lo):].zero_()  # padding
+                for c, a, b in pieces:
+                    futs.append(reader.read_into(d[a - lo:b - lo], chunk_path(root, state, mp.name, c),
+                                                 4 * (a - c * s["part"])))
+        for f in futs:
+            f.wait()
+
+    engine.optimizer.import_state(fill)
+    current = extra_tensors(engine.module)
+    for e in m.get("extras", []):
+        t = current.get(e["name"])
+        if t is None or not t.numel():
+            continue
+        dtype = _TORCH_DTYPES[e["dtype"]]
+        tmp = torch.empty(t.numel(), dtype=dtype)
+        reader.read_into(tmp.view(torch.uint8), chunk_path(root, "extra", e["name"], 0), 0).wait()
+        t.copy_(tmp.view(t.shape))
+    _restore_engine(engine, m)
+    rank_meta = os.path.join(root, "ranks", str(engine.comm.rank), "zarr.json")
+    if engine.comm.world == m["world_size"] and os.path.exists(rank_meta):
+        restore_rng(read_json(rank_meta)["attributes"]["rng"])
+
+
+def _restore_engine(engine, m: dict) -> None:
+    e = m["engine"]
+    engine.global_steps = e["global_steps"]
+    engine.skipped_steps = e["skipped_steps"]
+    engine.micro_steps = e["micro_steps"]
+    engine.optimizer.step_count = e["optimizer_steps"]
+    for g, lr in zip(engine.optimizer.param_groups, e["lr"]):
+        g["lr"] = lr
+    engine.scaler.load_state_dict(e["loss_scaler"])
+    if engine.lr_scheduler is not None and e.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(e["lr_scheduler"])
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+                                      for s in state["cuda"]])

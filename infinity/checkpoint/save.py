@@ -1,0 +1,212 @@
+"""engine.save_checkpoint: every rank streams its own shards into the zarr store; rank 0 commits.
+
+The data path of a save (see [Note: checkpoint layout] and [Note: atomic checkpoint]):
+  rank 0      DIR/.<tag>.partial: the group and array metadata
+  every rank  optimizer groups one at a time (NVMe: read into a pool buffer, the next read overlapping
+              this group's writes) -> one chunk file per (state, parameter): values, then CRC-32C;
+              its RNG states; syncfs
+  rank 0      buffers and frozen parameters; the root zarr.json (the manifest, "complete"); syncfs;
+              rename to DIR/<tag>; DIR/latest
+Each phase ends with an all-ranks agreement, so a failure on any rank stops
+every rank with an error, and rank 0 removes the partial directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import random
+import shutil
+import time
+
+import numpy as np
+import torch
+
+from infinity.checkpoint.layout import (FORMAT, LATEST, STATES, VERSION, CheckpointError, array_meta, check_tag,
+                                        chunk_path, default_tag, exchange_or_rename, fsync_dir, group_meta,
+                                        partial_dir, sync_filesystem, write_json)
+from infinity.checkpoint.stream import ChunkWriter, open_io
+from infinity.engine.params import managed
+
+# zarr v3 has no bfloat16: such arrays are stored as uint16 with the real dtype in their attributes.
+ZARR_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+               torch.bfloat16: "uint16", torch.int64: "int64", torch.int32: "int32", torch.int16: "int16",
+               torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool"}
+
+
+def together(comm, what: str, fn, on_failure=None):
+    """Run fn on every rank, then agree; if any rank failed, every rank raises (after on_failure)."""
+    err = None
+    out = None
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
+        err = exc
+    if not comm.all_ok(err is None):
+        if on_failure is not None:
+            on_failure()
+        if err is not None:
+            raise err
+        raise CheckpointError(f"checkpoint {what} failed on another rank (its own error says why)")
+    return out
+
+
+def extra_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict entries the engine does not partition: buffers and frozen parameters."""
+    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items() if managed(v) is None}
+
+
+def aliases(module: torch.nn.Module) -> dict[str, str]:
+    """state_dict keys that name a managed parameter saved under another name (tied weights)."""
+    out = {}
+    for k, v in module.state_dict(keep_vars=True).items():
+        mp = managed(v)
+        if mp is not None and mp.name != k:
+            out[k] = mp.name
+    return out
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+             "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _jsonable(value, what: str):
+    try:
+        return json.loads(json.dumps(value, allow_nan=True))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"save_checkpoint: {what} must be JSON-serialisable (dicts, lists, str, numbers, bool, "
+                        f"None): {exc}") from None
+
+
+def manifest(engine, tag: str, client_state) -> dict:
+    store, opt = engine.store, engine.optimizer
+    sched = engine.lr_scheduler
+    extras = extra_tensors(engine.module)
+    return {
+        "format": FORMAT, "version": VERSION, "complete": True, "tag": tag, "world_size": engine.comm.world,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "compute_dtype": str(store.dtype).replace("torch.", ""), "states": list(STATES),
+        "params": [{"name": mp.name, "shape": list(mp.shape), "numel": mp.numel, "part": mp.part}
+                   for mp in store.params],
+        "aliases": aliases(engine.module),
+        "extras": [{"name": k, "shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+                   for k, v in extras.items()],
+        "engine": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+                   "micro_steps": engine.micro_steps, "optimizer_steps": opt.step_count,
+                   "lr": [float(g["lr"]) for g in opt.param_groups], "loss_scaler": engine.scaler.state_dict(),
+                   "lr_scheduler": _jsonable(sched.state_dict(), "the lr scheduler's state_dict")
+                   if sched is not None else None},
+        "client_state": _jsonable(client_state, "client_state"),
+        "config": json.loads(json.dumps(dataclasses.asdict(engine.config), default=str)),
+    }
+
+
+def save(engine, directory, tag: str | None = None, client_state=None) -> str:
+    """See Engine.save_checkpoint."""
+    comm, store, opt = engine.comm, engine.store, engine.optimizer
+    rank = comm.rank
+    if engine.micro_steps % engine.gas:
+        raise RuntimeError(f"save_checkpoint: called after {engine.micro_steps % engine.gas} of "
+                           f"{engine.gas} micro-batches of gradient accumulation; the accumulated gradients are not "
+                           "part of a checkpoint, so save after engine.step()")
+    directory = os.path.abspath(os.fspath(directory))
+    tag = check_tag(default_tag(engine.global_steps) if tag is None else tag)
+    meta = manifest(engine, tag, client_state)
+    partial = partial_dir(directory, tag)
+    final = os.path.join(directory, tag)
+
+    def discard():
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def prepare():
+        if rank != 0:
+            return
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise NotADirectoryError(f"save_checkpoint: {directory} exists and is not a directory")
+        os.makedirs(directory, exist_ok=True)
+        if not os.access(directory, os.W_OK):
+            raise PermissionError(f"save_checkpoint: {directory} is not writable")
+        shutil.rmtree(partial, ignore_errors=True)  # a save that was killed
+        os.mkdir(partial)
+        for state in STATES + ("extra", "ranks"):
+            os.mkdir(os.path.join(partial, state))
+            write_json(os.path.join(partial, state, "zarr.json"), group_meta())
+        for mp in store.params:
+            for state in STATES:
+                d = os.path.join(partial, state, mp.name)
+                os.mkdir(d)
+                write_json(os.path.join(d, "zarr.json"),
+                           array_meta(mp.numel, mp.part, attributes={"shape": list(mp.shape)}))
+        for name, t in extra_tensors(engine.module).items():
+            d = os.path.join(partial, "extra", name)
+            os.mkdir(d)
+            write_json(os.path.join(d, "zarr.json"), array_meta(
+                t.numel(), max(1, t.numel()), ZARR_DTYPES[t.dtype],
+                attributes={"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}))
+
+    together(comm, "preparation", prepare, discard)
+
+    def write_mine():
+        os.mkdir(os.path.join(partial, "ranks", str(rank)))
+        write_json(os.path.join(partial, "ranks", str(rank), "zarr.json"), group_meta({"rng": rng_state()}))
+        io = open_io(engine.config, partial)
+        try:
+            def use(g, p, m, v):
+                w = ChunkWriter(io)
+                for mp, off in zip(g.params, g.offsets):
+                    if rank * mp.part >= mp.numel:  # this rank's shard is all padding: no chunk
+                        continue
+                    for state, t in zip(STATES, (p, m, v)):
+                        w.write(chunk_path(partial, state, mp.name, rank), t[off:off + mp.part])
+                return w.wait
+
+            opt.export_state(use)
+            if rank == 0:
+                w = ChunkWriter(io)
+                for name, t in extra_tensors(engine.module).items():
+                    if t.numel():
+                        flat = t.reshape(-1).cpu().contiguous()
+                        w.write(chunk_path(partial, "extra", name, 0),
+                                flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat)
+                w.wait()
+        finally:
+            io.close()
+        sync_filesystem(partial)
+
+    together(comm, "write", write_mine, discard)
+
+    def commit():
+        if rank != 0:
+            return
+        write_json(os.path.join(partial, "zarr.json"), group_meta({"infinity_checkpoint": meta}))
+        sync_filesystem(partial)
+        exchanged = exchange_or_rename(partial, final)
+        fsync_dir(directory)
+        _write_latest(directory, tag)
+        if exchanged:  # `partial` now holds the checkpoint this one replaced
+            shutil.rmtree(partial, ignore_errors=True)
+
+    together(comm, "commit", commit, discard)
+    return final
+
+
+def _write_latest(directory: str, tag: str) -> None:
+    path = os.path.join(directory, LATEST)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, (tag + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(directory)
