@@ -1,4 +1,4 @@
-"""The `infinity` command: train, tune, plan, info, bench io|adam|swap|train|plan."""
+"""The `infinity` command: train, tune, plan, info, checkpoint export|info, bench io|adam|swap|train|plan|checkpoint."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune.add_arguments(sub.add_parser("tune", help="sweep the aio settings on a disk; print and write the best"))
 
+    from infinity.checkpoint import export as ckpt
+
+    ckpt.add_arguments(sub.add_parser("checkpoint", help="export a checkpoint to a plain state_dict, or summarise it"))
+
     bench = sub.add_parser("bench", help="standalone benchmarks")
     bsub = bench.add_subparsers(dest="what", required=True)
     from infinity.bench import io as bench_io
@@ -46,10 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from infinity.checkpoint import CheckpointError
+
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, CheckpointError) as exc:
         # Bad input is one line naming what was wrong, not a traceback.
         print(f"infinity {args.cmd}: {exc}", file=sys.stderr)
         return 2
@@ -68,6 +74,10 @@ def _dispatch(args) -> int:
         from infinity import tune
 
         return tune.run(args)
+    if args.cmd == "checkpoint":
+        from infinity.checkpoint import export as ckpt
+
+        return ckpt.run(args)
     if args.cmd == "info":
         from infinity import info
 

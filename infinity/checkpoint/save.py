@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import time
 
 import numpy as np
@@ -109,6 +110,15 @@ def manifest(engine, tag: str, client_state) -> dict:
     }
 
 
+CRASH_POINTS = ("prepared", "group", "written", "marked", "renamed")
+
+
+def crash_point(name: str) -> None:
+    """Test hook for the crash tests: INFINITY_CHECKPOINT_CRASH_AT=<name> SIGKILLs this process at that point."""
+    if os.environ.get("INFINITY_CHECKPOINT_CRASH_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def save(engine, directory, tag: str | None = None, client_state=None) -> str:
     """See Engine.save_checkpoint."""
     comm, store, opt = engine.comm, engine.store, engine.optimizer
@@ -154,6 +164,7 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
                 attributes={"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}))
 
     together(comm, "preparation", prepare, discard)
+    crash_point("prepared")
 
     def write_mine():
         os.mkdir(os.path.join(partial, "ranks", str(rank)))
@@ -167,6 +178,7 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
                         continue
                     for state, t in zip(STATES, (p, m, v)):
                         w.write(chunk_path(partial, state, mp.name, rank), t[off:off + mp.part])
+                crash_point("group")
                 return w.wait
 
             opt.export_state(use)
@@ -183,14 +195,17 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
         sync_filesystem(partial)
 
     together(comm, "write", write_mine, discard)
+    crash_point("written")
 
     def commit():
         if rank != 0:
             return
         write_json(os.path.join(partial, "zarr.json"), group_meta({"infinity_checkpoint": meta}))
         sync_filesystem(partial)
+        crash_point("marked")
         exchanged = exchange_or_rename(partial, final)
         fsync_dir(directory)
+        crash_point("renamed")
         _write_latest(directory, tag)
         if exchanged:  # `partial` now holds the checkpoint this one replaced
             shutil.rmtree(partial, ignore_errors=True)

@@ -1,0 +1,227 @@
+"""`infinity checkpoint export|info`: a checkpoint without the engine.
+
+export writes a plain state_dict (fp32 parameters, buffers in their own
+dtype, tied names repeated) to .safetensors or .pt. It streams: each chunk
+file is read in pieces of PIECE bytes, its CRC-32C checked, and its values
+(without the padding) appended to the output, so memory stays at one piece
+whatever the model's size. The output appears under its name only when
+complete (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+
+import numpy as np
+import torch
+
+from infinity.checkpoint.layout import STATES, CheckpointCorruptionError, CheckpointError, chunk_path
+from infinity.checkpoint.load import _TORCH_DTYPES, resolve
+from infinity.swap.checksum import crc32c
+
+PIECE = 16 << 20
+_ST_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def entries(m: dict, state: str = "master"):
+    """(state_dict key, shape, dtype, chunk files as [(path, stored bytes, bytes to keep)]) in state_dict order."""
+    out = {}
+    for p in m["params"]:
+        nbytes, chunk = 4 * p["numel"], 4 * p["part"]
+        files = []
+        for c in range(-(-p["numel"] // p["part"])):
+            files.append((("param", state, p["name"], c), chunk, min(chunk, nbytes - c * chunk)))
+        out[p["name"]] = (p["shape"], torch.float32, files)
+    # tied weights: torch's state_dict names them all; safetensors cannot share storage, so they are repeated
+    for alias, name in m.get("aliases", {}).items():
+        out[alias] = out[name]
+    for e in m.get("extras", []):
+        dtype = _TORCH_DTYPES[e["dtype"]]
+        n = int(np.prod(e["shape"], dtype=np.int64)) * dtype.itemsize
+        out[e["name"]] = (e["shape"], dtype, [(("extra", "extra", e["name"], 0), n, n)] if n else [])
+    return out
+
+
+def all_chunks(root: str, m: dict):
+    """(path, value bytes, what) of every chunk file of a checkpoint."""
+    for p in m["params"]:
+        for state in STATES:
+            for c in range(-(-p["numel"] // p["part"])):
+                yield chunk_path(root, state, p["name"], c), 4 * p["part"], f"{state} of parameter {p['name']}"
+    for e in m.get("extras", []):
+        n = int(np.prod(e["shape"], dtype=np.int64)) * _TORCH_DTYPES[e["dtype"]].itemsize
+        if n:
+            yield chunk_path(root, "extra", e["name"], 0), n, f"buffer {e['name']}"
+
+
+def stream_chunk(path: str, nbytes: int, keep: int, sink, stage: torch.Tensor, what: str) -> None:
+    """Read a chunk file in pieces, pass its first `keep` value bytes to sink, and check its CRC-32C."""
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint is partial: chunk file {path} of {what} is missing") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size != nbytes + 4:
+            raise CheckpointError(f"checkpoint is partial: chunk file {path} of {what} has {size} bytes, expected "
+                                  f"{nbytes + 4}")
+        mv = memoryview(stage.numpy())
+        crc, off = 0, 0
+        while off < nbytes:
+            n = f.readinto(mv[:min(len(mv), nbytes - off)])
+            if not n:
+                raise CheckpointError(f"chunk file {path} of {what} ended early at byte {off}")
+            crc = crc32c(stage, n, crc)
+            if sink is not None and off < keep:
+                sink(mv[:min(n, keep - off)])
+            off += n
+        stored = int.from_bytes(f.read(4), "little")
+    if crc != stored:
+        raise CheckpointCorruptionError(path, what, stored, crc)
+
+
+def export(directory, out_path, tag: str | None = None) -> dict:
+    """Write the checkpoint's weights as a plain state_dict; returns {"path", "tensors", "bytes"}."""
+    root, m = resolve(directory, tag)
+    out_path = os.path.abspath(os.fspath(out_path))
+    kind = "safetensors" if out_path.endswith(".safetensors") else "pt" if out_path.endswith((".pt", ".pth")) else None
+    if kind is None:
+        raise ValueError(f"checkpoint export: {out_path} must end in .safetensors, .pt or .pth (the format)")
+    if not os.path.isdir(os.path.dirname(out_path)):
+        raise FileNotFoundError(f"checkpoint export: the directory of {out_path} does not exist")
+    ents = entries(m)
+    st_path = out_path + ".tmp" if kind == "safetensors" else out_path + ".tmp.safetensors"
+    try:
+        total, offsets = _write_safetensors(root, m, ents, st_path)
+        if kind == "safetensors":
+            os.replace(st_path, out_path)
+        else:
+            _safetensors_to_pt(st_path, ents, offsets, out_path)
+        _fsync_dir(os.path.dirname(out_path))
+    finally:
+        for p in (st_path, out_path + ".tmp"):
+            if os.path.exists(p):
+                os.unlink(p)
+    return {"path": out_path, "tensors": len(ents), "bytes": total}
+
+
+def _write_safetensors(root, m, ents, path):
+    header, offsets, pos = {}, {}, 0
+    for key, (shape, dtype, files) in ents.items():
+        n = sum(k for _, _, k in files)
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+        offsets[key] = pos
+        pos += n
+    header["__metadata__"] = {"format": "pt", "source": "infinity checkpoint", "tag": m["tag"],
+                              "global_steps": str(m["engine"]["global_steps"])}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    stage = torch.empty(PIECE, dtype=torch.uint8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for key, (shape, dtype, files) in ents.items():
+            for (kind, state, name, c), nbytes, keep in files:
+                what = f"{'parameter' if kind == 'param' else 'buffer'} {name}"
+                stream_chunk(chunk_path(root, state, name, c), nbytes, keep, f.write, stage, what)
+        f.flush()
+        os.fsync(f.fileno())
+    return pos, offsets
+
+
+def _safetensors_to_pt(st_path, ents, offsets, out_path):
+    """torch.save of tensors memory-mapped from the streamed safetensors file: their pages are file-backed,
+    so the kernel can drop them again; no copy of the model is held in anonymous memory."""
+    with open(st_path, "rb") as f:
+        base = 8 + struct.unpack("<Q", f.read(8))[0]
+    state = {}
+    for key, (shape, dtype, _) in ents.items():
+        n = int(np.prod(shape, dtype=np.int64))
+        if n == 0:
+            state[key] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = np.memmap(st_path, dtype=np.uint8, mode="c", offset=base + offsets[key], shape=(n * dtype.itemsize,))
+        state[key] = torch.from_numpy(raw).view(dtype).view(shape)
+    tmp = out_path + ".tmp"
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out_path)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def info(directory, tag: str | None = None, *, verify: bool = False) -> dict:
+    """What a checkpoint holds (and, with verify, whether every chunk matches its CRC-32C)."""
+    root, m = resolve(directory, tag)
+    numel = sum(p["numel"] for p in m["params"])
+    disk = 0
+    for dirpath, _, files in os.walk(root):
+        disk += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+    cfg = m.get("config", {})
+    zero = cfg.get("zero_optimization", {})
+    out = {"path": root, "tag": m["tag"], "created": m["created"], "world_size": m["world_size"],
+           "compute_dtype": m["compute_dtype"], "global_steps": m["engine"]["global_steps"],
+           "skipped_steps": m["engine"]["skipped_steps"], "lr": m["engine"]["lr"],
+           "loss_scale": m["engine"]["loss_scaler"]["scale"], "parameters": numel,
+           "tensors": len(m["params"]), "tied": len(m.get("aliases", {})), "buffers": len(m.get("extras", [])),
+           "states": m["states"], "bytes_on_disk": disk,
+           "offload": {"param": zero.get("offload_param", {}).get("device"),
+                       "optimizer": zero.get("offload_optimizer", {}).get("device")},
+           "client_state": m.get("client_state")}
+    latest = os.path.join(os.path.dirname(root), "latest")
+    out["is_latest"] = os.path.exists(latest) and open(latest).read().strip() == m["tag"]
+    if verify:
+        stage = torch.empty(PIECE, dtype=torch.uint8)
+        out["verified_bytes"] = 0
+        for path, nbytes, what in all_chunks(root, m):
+            stream_chunk(path, nbytes, 0, None, stage, what)
+            out["verified_bytes"] += nbytes
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True)
+    e = sub.add_parser("export", help="write a plain fp32 state_dict (.safetensors or .pt), streamed")
+    e.add_argument("dir", help="checkpoint directory (the save_dir given to save_checkpoint)")
+    e.add_argument("out", help="output file: NAME.safetensors or NAME.pt")
+    e.add_argument("--tag", help="checkpoint tag (default: the one DIR/latest names)")
+    i = sub.add_parser("info", help="summarise what a checkpoint holds")
+    i.add_argument("dir")
+    i.add_argument("--tag")
+    i.add_argument("--verify", action="store_true", help="also read every chunk and check its CRC-32C")
+    i.add_argument("--json", action="store_true")
+
+
+def run(args) -> int:
+    if args.action == "export":
+        r = export(args.dir, args.out, args.tag)
+        print(f"wrote {r['path']}: {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB")
+        return 0
+    r = info(args.dir, args.tag, verify=args.verify)
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    print(f"checkpoint {r['path']}" + (" (latest)" if r["is_latest"] else ""))
+    print(f"  saved {r['created']} by {r['world_size']} rank(s), step {r['global_steps']} "
+          f"({r['skipped_steps']} skipped), lr {r['lr'][0]:g}, loss scale {r['loss_scale']:g}")
+    print(f"  {r['parameters'] / 1e6:.2f}M parameters in {r['tensors']} tensors ({r['tied']} tied names), "
+          f"{r['buffers']} buffers; compute dtype {r['compute_dtype']}; states {', '.join(r['states'])}")
+    print(f"  saved with offload_param={r['offload']['param']}, offload_optimizer={r['offload']['optimizer']}; "
+          f"{r['bytes_on_disk'] / 2**20:.1f} MiB on disk")
+    if r["client_state"] is not None:
+        print(f"  client_state: {json.dumps(r['client_state'])[:200]}")
+    if "verified_bytes" in r:
+        print(f"  every chunk matches its CRC-32C ({r['verified_bytes'] / 2**20:.1f} MiB checked)")
+    return 0

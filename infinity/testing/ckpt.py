@@ -1,0 +1,102 @@
+"""Train / save / resume runs of the small GPT for the checkpoint tests (one process or gloo ranks).
+
+`python -m infinity.testing.ckpt crash CFG.json DIR STEPS [POINT]` trains
+STEPS steps, saving DIR/s<k> after each, with the crash hook at POINT armed
+for the last save (without POINT it just runs; the test kills it at a
+random moment).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import torch
+
+from infinity.testing.parity import MODEL, batch, free_port
+
+
+def train(cfg: dict, steps: int, *, start: int = 0, load: str | None = None, load_tag: str | None = None,
+          save: str | None = None, save_tag: str | None = None, save_every: bool = False, crash_at: str | None = None,
+          model=MODEL, gas: int = 1) -> dict:
+    """Train steps [start, start+steps) (after loading `load`); returns losses and the full fp32 weights."""
+    from infinity.engine import gathered_parameters, initialize, zero_init
+    from infinity.models import GPT
+
+    cfg = copy.deepcopy(cfg)
+    cfg["gradient_accumulation_steps"] = gas
+    torch.manual_seed(0)
+    with zero_init(cfg):
+        m = GPT(model)
+    engine = initialize(m, cfg)
+    rank, world = engine.rank, engine.world_size
+    out = {"losses": [], "client_state": None}
+    try:
+        if load is not None:
+            _, out["client_state"] = engine.load_checkpoint(load, load_tag)
+            assert out["client_state"]["next_step"] == start, out["client_state"]
+        for s in range(start, start + steps):
+            x, y = batch(s, model=model)
+            per = x.shape[0] // (world * gas)
+            total = 0.0
+            for micro in range(gas):
+                lo = (micro * world + rank) * per
+                loss = engine(x[lo:lo + per], y[lo:lo + per])
+                engine.backward(loss)
+                total += loss.item() / gas
+            engine.step()
+            t = torch.tensor([total])
+            engine.comm.all_reduce_(t)
+            out["losses"].append(t.item() / world)
+            if save_every:
+                if crash_at is not None and s == start + steps - 1:
+                    os.environ["INFINITY_CHECKPOINT_CRASH_AT"] = crash_at
+                engine.save_checkpoint(save, f"s{s + 1}", client_state={"next_step": s + 1})
+        if save is not None and not save_every:
+            engine.save_checkpoint(save, save_tag, client_state={"next_step": start + steps})
+        with gathered_parameters(list(m.parameters())):
+            out["weights"] = {n: p.detach().float().clone() for n, p in m.named_parameters()}
+    finally:
+        engine.close()
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, cfg: dict, steps: int, out_path: str, kwargs: dict) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        out = train(cfg, steps, **kwargs)
+        if rank == 0:
+            torch.save(out, out_path)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_train(world: int, cfg: dict, steps: int, out_path: str, **kwargs) -> dict:
+    """train() on `world` gloo ranks; rank 0's result."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(world, free_port(), cfg, steps, out_path, kwargs), nprocs=world, join=True)
+    return torch.load(out_path)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] != ["crash"] or len(argv) not in (4, 5):
+        print(__doc__, file=sys.stderr)
+        return 2
+    with open(argv[1]) as f:
+        cfg = json.load(f)
+    torch.set_num_threads(1)
+    train(cfg, int(argv[3]), save=argv[2], save_every=True, crash_at=argv[4] if len(argv) == 5 else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Checkpoints: bit-exact resume, resharding across world sizes and tiers, zarr interop, export.
+
+Crash safety and bad input are in test_crash.py and test_errors.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from infinity.testing.ckpt import spawn_train, train
+from infinity.testing.parity import engine_config
+
+STEPS, SAVE_AT = 6, 3
+_REFERENCE: dict = {}
+
+
+def config(tier: str, dtype: str, root) -> dict:
+    swap = os.path.join(root, "swap")
+    os.makedirs(swap, exist_ok=True)
+    cfg = engine_config(tier, swap)
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
+    return cfg
+
+
+def reference(tier: str, dtype: str, root) -> dict:
+    """The uninterrupted run (cached per tier and dtype)."""
+    key = (tier, dtype)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = train(config(tier, dtype, root), STEPS)
+    return _REFERENCE[key]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k}: max diff {(a[k] - b[k]).abs().max().item()}"
+
+
+@pytest.mark.parametrize("tier,dtype", [("none", "fp32"), ("cpu", "bf16"), ("cpu", "fp16"), ("nvme", "fp32"),
+                                        ("nvme", "bf16")])
+def test_resume_is_bit_exact(disk_dir, tier, dtype):
+    """N steps, save, a new process state, load, M more steps == N+M uninterrupted steps, bit for bit."""
+    cfg = config(tier, dtype, disk_dir)
+    full = reference(tier, dtype, disk_dir)
+    first = train(cfg, SAVE_AT, save=str(disk_dir / "ck"))
+    second = train(cfg, STEPS - SAVE_AT, start=SAVE_AT, load=str(disk_dir / "ck"))
+    assert first["losses"] + second["losses"] == full["losses"]
+    assert_same_weights(second["weights"], full["weights"])
+    assert second["client_state"] == {"next_step": SAVE_AT}
+
+
+def test_resume_with_gradient_accumulation(disk_dir):
+    cfg = config("nvme", "fp32", disk_dir)
+    full = train(cfg, 4, gas=2)
+    first = train(cfg, 2, gas=2, save=str(disk_dir / "ck"))
+    second = train(cfg, 2, start=2, gas=2, load=str(disk_dir / "ck"))
+    assert first["losses"] + second["losses"] == full["losses"]
+    assert_same_weights(second["weights"], full["weights"])
+
+
+def test_a_checkpoint_moves_between_offload_tiers(disk_dir):
+    """Saved from NVMe, resumed in RAM (cpu, then none): the same fp32 numbers, so the same curve."""
+    full = reference("nvme", "fp32", disk_dir)
+    train(config("nvme", "fp32", disk_dir), SAVE_AT, save=str(disk_dir / "a"))
+    mid = train(config("cpu", "fp32", disk_dir), 1, start=SAVE_AT, load=str(disk_dir / "a"), save=str(disk_dir / "b"))
+    last = train(config("none", "fp32", disk_dir), STEPS - SAVE_AT - 1, start=SAVE_AT + 1, load=str(disk_dir / "b"))
+    assert mid["losses"] + last["losses"] == full["losses"][SAVE_AT:]
+    assert_same_weights(last["weights"], full["weights"])
+
+
+def test_two_ranks_resume_bit_exactly_and_reshard_to_one_and_back(disk_dir):
+    cfg = config("nvme", "fp32", disk_dir)
+    full2 = spawn_train(2, cfg, STEPS, str(disk_dir / "full2.pt"))
+    first2 = spawn_train(2, cfg, SAVE_AT, str(disk_dir / "first2.pt"), save=str(disk_dir / "w2"))
+    second2 = spawn_train(2, cfg, STEPS - SAVE_AT, str(disk_dir / "second2.pt"), start=SAVE_AT,
+                          load=str(disk_dir / "w2"))
+    assert first2["losses"] + second2["losses"] == full2["losses"]
+    assert_same_weights(second2["weights"], full2["weights"])
+
+    # 2 -> 1: the weights loaded are exactly the ones saved; training goes on as it would have on 2 ranks
+    # (up to the order of the gradient reduction).
+    one = train(config("cpu", "fp32", disk_dir), 0, start=SAVE_AT, load=str(disk_dir / "w2"))
+    assert_same_weights(one["weights"], first2["weights"])
+    on1 = train(config("cpu", "fp32", disk_dir), STEPS - SAVE_AT, start=SAVE_AT, load=str(disk_dir / "w2"),
+                save=str(disk_dir / "w1"))
+    np.testing.assert_allclose(on1["losses"], second2["losses"], rtol=1e-5)
+
+    # 1 -> 2: rank shards cut from other chunks than were written.
+    back = spawn_train(2, cfg, 0, str(disk_dir / "back.pt"), start=STEPS, load=str(disk_dir / "w1"))
+    assert_same_weights(back["weights"], on1["weights"])
+
+
+def test_zarr_reads_the_checkpoint_and_checks_its_sums(disk_dir):
+    zarr = pytest.importorskip("zarr", reason="the zarr interop test needs zarr-python installed")
+    out = train(config("none", "fp32", disk_dir), 2, save=str(disk_dir / "ck"))
+    root = disk_dir / "ck" / "global_step2"
+    group = zarr.open_group(str(root), mode="r")
+    for name, w in out["weights"].items():
+        arr = group["master"][name]
+        assert list(arr.attrs["shape"]) == list(w.shape)
+        np.testing.assert_array_equal(np.asarray(arr[:]).reshape(w.shape), w.numpy())
+    # zarr itself verifies the crc32c codec
+    name = next(iter(out["weights"]))
+    chunk = root / "master" / name / "c.0"
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="(?i)checksum|crc"):
+        zarr.open_group(str(root), mode="r")["master"][name][:]
+
+
+class WithBuffers(torch.nn.Module):
+    """The GPT plus what a checkpoint must also carry: a float buffer, a bf16 buffer, a frozen parameter."""
+
+    def __init__(self):
+        from infinity.models import GPT
+        from infinity.testing.parity import MODEL
+
+        super().__init__()
+        self.gpt = GPT(MODEL)
+        self.register_buffer("scale", torch.full((3,), 2.0))
+        self.register_buffer("steps_seen", torch.zeros((), dtype=torch.bfloat16))
+        self.frozen = torch.nn.Parameter(torch.arange(4.0), requires_grad=False)
+
+    def forward(self, x, y):
+        return self.gpt(x, y) * self.scale.mean() / 2 + self.frozen.sum() * 0
+
+
+def test_buffers_and_frozen_parameters_round_trip(disk_dir):
+    from infinity.engine import initialize
+
+    cfg = config("cpu", "fp32", disk_dir)
+    e = initialize(WithBuffers(), cfg)
+    try:
+        e.module.scale.fill_(3.0)
+        e.module.steps_seen.fill_(7.0)
+        e.module.frozen.data.fill_(5.0)
+        e.save_checkpoint(disk_dir / "ck")
+        e.module.scale.zero_()
+        e.module.steps_seen.zero_()
+        e.module.frozen.data.zero_()
+        e.load_checkpoint(disk_dir / "ck")
+        assert torch.equal(e.module.scale, torch.full((3,), 3.0))
+        assert e.module.steps_seen.item() == 7.0 and e.module.steps_seen.dtype == torch.bfloat16
+        assert torch.equal(e.module.frozen.data, torch.full((4,), 5.0))
+    finally:
+        e.close()
+
+
+def test_export_writes_a_plain_state_dict(disk_dir):
+    from safetensors.torch import load_file
+
+    from infinity.models import GPT
+    from infinity.testing.parity import MODEL
+
+    out = train(config("nvme", "bf16", disk_dir), 2, save=str(disk_dir / "ck"))
+    for name in ("w.safetensors", "w.pt"):
+        r = subprocess.run([sys.executable, "-m", "infinity.cli", "checkpoint", "export", str(disk_dir / "ck"),
+                            str(disk_dir / name)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert "wrote" in r.stdout
+    st, pt = load_file(str(disk_dir / "w.safetensors")), torch.load(str(disk_dir / "w.pt"))
+    plain = GPT(MODEL)
+    assert st.keys() == pt.keys() == plain.state_dict().keys()  # tied names included
+    plain.load_state_dict(pt, strict=True)
+    # Exported values are the fp32 master weights; the bf16 weights the run used are their rounding.
+    for k, w in out["weights"].items():
+        assert st[k].dtype == torch.float32
+        assert torch.equal(st[k], pt[k])
+        assert torch.equal(st[k].to(torch.bfloat16).float(), w), k
+    assert not [p for p in os.listdir(disk_dir) if p.endswith(".tmp") or ".tmp." in p]
+
+
+def test_info_summarises_and_verifies(disk_dir):
+    train(config("none", "fp32", disk_dir), 2, save=str(disk_dir / "ck"))
+    r = subprocess.run([sys.executable, "-m", "infinity.cli", "checkpoint", "info", str(disk_dir / "ck"), "--verify",
+                        "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["tag"] == "global_step2" and info["is_latest"] and info["world_size"] == 1
+    assert info["global_steps"] == 2 and info["client_state"] == {"next_step": 2}
+    assert info["verified_bytes"] == 3 * 4 * sum(int(np.prod(p)) for p in _param_shapes())
+    text = subprocess.run([sys.executable, "-m", "infinity.cli", "checkpoint", "info", str(disk_dir / "ck")],
+                          capture_output=True, text=True).stdout
+    assert "global_step2 (latest)" in text and "step 2" in text
+
+
+def _param_shapes():
+    from infinity.models import GPT
+    from infinity.testing.parity import MODEL
+
+    return [p.shape for p in GPT(MODEL).parameters()]
