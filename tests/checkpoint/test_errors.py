@@ -1,0 +1,216 @@
+"""Bad input: each gives a clear error, and neither the engine nor the checkpoints on disk change."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from infinity.checkpoint import CheckpointCorruptionError, CheckpointError
+from infinity.checkpoint.export import export, info
+from infinity.engine import initialize, zero_init
+from infinity.models import GPT, GPTConfig
+from infinity.testing.parity import MODEL, batch, engine_config
+
+
+def _engine(model=MODEL, **over):
+    cfg = engine_config("none", **over)
+    torch.manual_seed(0)
+    with zero_init(cfg):
+        m = GPT(model)
+    return initialize(m, cfg)
+
+
+def _step(e, s=0):
+    x, y = batch(s)
+    e.backward(e(x, y))
+    e.step()
+
+
+def _snapshot(e) -> dict:
+    g = e.optimizer.groups
+    return {"state": [t.clone() for grp in g for t in (grp.master, grp.exp_avg, grp.exp_avg_sq)],
+            "steps": (e.global_steps, e.micro_steps, e.optimizer.step_count, e.optimizer.param_groups[0]["lr"])}
+
+
+def _assert_unchanged(e, snap) -> None:
+    after = _snapshot(e)
+    assert after["steps"] == snap["steps"]
+    assert all(torch.equal(a, b) for a, b in zip(after["state"], snap["state"]))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """An engine that has saved global_step1 and then trained a step further (so a load would change it)."""
+    e = _engine()
+    _step(e)
+    e.save_checkpoint(tmp_path / "ck")
+    _step(e, 1)
+    yield e, tmp_path / "ck"
+    e.close()
+
+
+def _files(root) -> dict:
+    out = {}
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            p = os.path.join(d, f)
+            out[p] = open(p, "rb").read()
+    return out
+
+
+def test_missing_checkpoint(saved, tmp_path):
+    e, ck = saved
+    snap = _snapshot(e)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        e.load_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="has no 'latest' file"):
+        e.load_checkpoint(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match=r"'global_step9' not found .* complete checkpoints there: \['global_step1'\]"):
+        e.load_checkpoint(ck, "global_step9")
+    with pytest.raises(ValueError, match="tag '../x' is not usable"):
+        e.load_checkpoint(ck, "../x")
+    _assert_unchanged(e, snap)
+
+
+def test_corrupted_chunk_is_found_before_anything_changes(saved):
+    e, ck = saved
+    snap = _snapshot(e)
+    name = e.store.params[3].name
+    chunk = ck / "global_step1" / "exp_avg" / name / "c.0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    before = _files(ck)
+    with pytest.raises(CheckpointCorruptionError, match=f"exp_avg of parameter {name} is corrupted") as info_:
+        e.load_checkpoint(ck)
+    assert info_.value.errno == errno.EIO and info_.value.filename == str(chunk)
+    _assert_unchanged(e, snap)
+    assert _files(ck) == before
+    with pytest.raises(CheckpointCorruptionError):
+        info(ck, verify=True)
+
+
+def test_corrupted_manifest(saved):
+    e, ck = saved
+    snap = _snapshot(e)
+    (ck / "global_step1" / "zarr.json").write_text('{"zarr_format": 3, "node_')
+    with pytest.raises(CheckpointError, match="is corrupted: .*zarr.json is not valid JSON"):
+        e.load_checkpoint(ck)
+    (ck / "global_step1" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    with pytest.raises(CheckpointError, match="is not an infinity checkpoint"):
+        e.load_checkpoint(ck)
+    _assert_unchanged(e, snap)
+
+
+@pytest.mark.parametrize("damage", ["missing chunk", "truncated chunk", "no manifest", "interrupted save",
+                                    "missing rank group"])
+def test_partial_checkpoint(saved, damage):
+    e, ck = saved
+    snap = _snapshot(e)
+    root = ck / "global_step1"
+    chunk = root / "master" / e.store.params[-1].name / "c.0"
+    if damage == "missing chunk":
+        chunk.unlink()
+        pattern = "partial: chunk file .*c.0 of master of parameter .* is missing"
+    elif damage == "truncated chunk":
+        os.truncate(chunk, chunk.stat().st_size // 2)
+        pattern = "partial: chunk file .* has \\d+ bytes, expected"
+    elif damage == "no manifest":
+        (root / "zarr.json").unlink()
+        pattern = "is partial: it has no zarr.json"
+    elif damage == "interrupted save":
+        root.rename(ck / ".global_step1.partial")
+        pattern = "'global_step1' .* is partial: its save was interrupted"
+    else:
+        shutil.rmtree(root / "ranks" / "0")
+        pattern = "is partial: .*ranks/0/zarr.json is missing"
+    with pytest.raises(CheckpointError, match=pattern):
+        e.load_checkpoint(ck)
+    _assert_unchanged(e, snap)
+
+
+def test_incompatible_model_names_the_parameter(saved, tmp_path):
+    e, ck = saved
+    other = _engine(GPTConfig(vocab=MODEL.vocab + 8, seq=MODEL.seq, layers=MODEL.layers, dim=MODEL.dim,
+                              heads=MODEL.heads))
+    deeper = _engine(GPTConfig(vocab=MODEL.vocab, seq=MODEL.seq, layers=MODEL.layers + 1, dim=MODEL.dim,
+                               heads=MODEL.heads))
+    try:
+        snap = _snapshot(other)
+        with pytest.raises(CheckpointError, match=r"does not fit this model: parameter wte\.weight: the checkpoint has "
+                                                  r"shape \(256, 64\), the model \(264, 64\)"):
+            other.load_checkpoint(ck)
+        _assert_unchanged(other, snap)
+        with pytest.raises(CheckpointError, match=r"parameter blocks\.2\.[\w.]+ is not in the checkpoint"):
+            deeper.load_checkpoint(ck)
+    finally:
+        other.close()
+        deeper.close()
+
+
+def test_save_refuses_bad_arguments_and_keeps_the_previous_checkpoint(saved, tmp_path):
+    e, ck = saved
+    before = _files(ck)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError, match="exists and is not a directory"):
+        e.save_checkpoint(tmp_path / "afile")
+    with pytest.raises(ValueError, match="tag 'latest' is not usable"):
+        e.save_checkpoint(ck, "latest")
+    with pytest.raises(TypeError, match="client_state must be JSON-serialisable"):
+        e.save_checkpoint(ck, client_state={"loader": object()})
+    assert _files(ck) == before
+
+
+def test_save_in_the_middle_of_gradient_accumulation_is_refused(tmp_path):
+    e = _engine(gradient_accumulation_steps=2)
+    try:
+        x, y = batch(0)
+        e.backward(e(x, y))
+        with pytest.raises(RuntimeError, match="after 1 of 2 micro-batches of gradient accumulation"):
+            e.save_checkpoint(tmp_path / "ck")
+        assert not (tmp_path / "ck").exists()
+    finally:
+        e.close()
+
+
+def test_full_disk_leaves_the_previous_checkpoint(tiny_fs):
+    """A save that runs out of space fails with ENOSPC, removes its partial directory, and latest still names
+    the previous checkpoint, which loads."""
+    e = _engine()
+    try:
+        _step(e)
+        ck = tiny_fs / "ck"
+        e.save_checkpoint(ck, "first")
+        before = _files(ck)
+        with pytest.raises(OSError) as exc:
+            for i in range(10):  # the filesystem holds about two of these
+                e.save_checkpoint(ck, f"more{i}")
+        assert exc.value.errno == errno.ENOSPC
+        assert not [p for p in os.listdir(ck) if p.startswith(".")]
+        assert all(_files(ck)[p] == data for p, data in before.items() if "latest" not in p)
+        latest = (ck / "latest").read_text().strip()
+        assert info(ck, verify=True)["tag"] == latest
+        e.load_checkpoint(ck)
+    finally:
+        e.close()
+
+
+def test_export_errors_leave_no_output(saved, tmp_path):
+    e, ck = saved
+    with pytest.raises(ValueError, match="must end in .safetensors, .pt or .pth"):
+        export(ck, tmp_path / "out.bin")
+    chunk = ck / "global_step1" / "master" / e.store.params[0].name / "c.0"
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 1
+    chunk.write_bytes(bytes(data))
+    r = subprocess.run([sys.executable, "-m", "infinity.cli", "checkpoint", "export", str(ck),
+                        str(tmp_path / "out.safetensors")], capture_output=True, text=True)
+    assert r.returncode == 2 and "is corrupted" in r.stderr and "Traceback" not in r.stderr
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
