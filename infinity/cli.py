@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     from infinity.bench import plan as bench_plan
 
     bench_plan.add_arguments(bsub.add_parser("plan", help="the planner's predictions vs real runs; cost per parameter"))
+    from infinity.bench import checkpoint as bench_ckpt
+
+    bench_ckpt.add_arguments(bsub.add_parser("checkpoint", help="checkpoint save/load GB/s vs fio; memory"))
     return p
 
 
@@ -98,6 +101,10 @@ def _dispatch(args) -> int:
         from infinity.bench import plan as bench_plan
 
         return bench_plan.run(args)
+    if args.cmd == "bench" and args.what == "checkpoint":
+        from infinity.bench import checkpoint as bench_ckpt
+
+        return bench_ckpt.run(args)
     if args.cmd == "bench" and args.what == "train":
         from infinity.bench import train as bench_train
 

@@ -136,19 +136,17 @@ def load(engine, directory, tag: str | None = None, *, verify: bool = True) -> t
 
 
 def _verify(engine, m: dict, root: str, reader: ChunkReader) -> None:
-    seen = set()
+    chunks = {}
     for mp, s, lo, hi, pieces in my_reads(engine, m):
         for c, _, _ in pieces:
             for state in STATES:
-                path = chunk_path(root, state, mp.name, c)
-                if path not in seen:
-                    seen.add(path)
-                    reader.verify(path, 4 * s["part"], f"{state} of parameter {mp.name}")
+                chunks.setdefault(chunk_path(root, state, mp.name, c), (4 * s["part"], f"{state} of parameter {mp.name}"))
     for e in m.get("extras", []):
         n = int(np.prod(e["shape"], dtype=np.int64))
         if n:
-            reader.verify(chunk_path(root, "extra", e["name"], 0), n * _TORCH_DTYPES[e["dtype"]].itemsize,
-                          f"buffer {e['name']}")
+            chunks[chunk_path(root, "extra", e["name"], 0)] = (n * _TORCH_DTYPES[e["dtype"]].itemsize,
+                                                               f"buffer {e['name']}")
+    reader.verify((path, n, what) for path, (n, what) in chunks.items())
     rank_meta = os.path.join(root, "ranks", str(engine.comm.rank % m["world_size"]), "zarr.json")
     if not os.path.exists(rank_meta):
         raise CheckpointError(f"checkpoint {root} is partial: {rank_meta} is missing")

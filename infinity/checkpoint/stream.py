@@ -17,7 +17,8 @@ from infinity.checkpoint.layout import CheckpointCorruptionError, CheckpointErro
 from infinity.io import AsyncIO, aligned_empty
 from infinity.swap.checksum import crc32c
 
-PIECE = 8 << 20  # bytes per verification read; two of them are the whole staging memory
+PIECE = 4 << 20  # bytes per verification read
+DEPTH = 4  # verification reads in flight; PIECE x DEPTH is all the staging memory
 
 
 def open_io(cfg, directory: str) -> AsyncIO:
@@ -65,7 +66,7 @@ class ChunkReader:
 
     def __init__(self, io: AsyncIO):
         self.io = io
-        self._stage = [aligned_empty(PIECE, pin=False), aligned_empty(PIECE, pin=False)]
+        self._stage = [aligned_empty(PIECE, pin=False) for _ in range(DEPTH)]
         self.bytes = 0
 
     @staticmethod
@@ -78,39 +79,41 @@ class ChunkReader:
             raise CheckpointError(f"checkpoint is partial: chunk file {path} of {what} has {size} bytes, "
                                   f"expected {nbytes + 4} ({nbytes} of values + 4 of CRC-32C)")
 
-    def verify(self, path: str, nbytes: int, what: str) -> None:
-        """Read the chunk in PIECE-sized pieces (two in flight) and compare the CRC-32C with its trailer."""
-        self.check_size(path, nbytes, what)
-        trailer = np.zeros(1, dtype="<u4")
-        tail = self.io.pread(trailer, path, nbytes)
-        crc, off, k = 0, 0, 0
-        pending = self.io.pread(self._stage[0], path, 0, nbytes=min(PIECE, nbytes)) if nbytes else None
-        while pending is not None:
-            n = min(PIECE, nbytes - off)
-            pending.wait()
-            buf = self._stage[k % 2]
-            nxt = off + n
-            pending = (self.io.pread(self._stage[(k + 1) % 2], path, nxt, nbytes=min(PIECE, nbytes - nxt))
-                       if nxt < nbytes else None)
-            crc = crc32c(buf, n, crc)
-            off, k = nxt, k + 1
-        tail.wait()
-        self.bytes += nbytes + 4
-        if crc != int(trailer[0]):
-            raise CheckpointCorruptionError(path, what, int(trailer[0]), crc)
+    def verify(self, chunks) -> None:
+        """Check chunk files [(path, value bytes, what)] against their stored CRC-32C.
+
+        The files are read as one stream of pieces of at most PIECE bytes,
+        DEPTH of them in flight across file boundaries (small chunks would
+        otherwise each cost a round trip), and CRC'd in order.
+        """
+        chunks = list(chunks)
+        for path, nbytes, what in chunks:
+            self.check_size(path, nbytes, what)
+        pieces = [(i, off, min(PIECE, n - off)) for i, (_, n, _) in enumerate(chunks) for off in range(0, n, PIECE)]
+        trailers = np.zeros(len(chunks), dtype="<u4")
+        tails = [self.io.pread(trailers[i:i + 1], path, n) for i, (path, n, _) in enumerate(chunks)]
+        crcs = [0] * len(chunks)
+        inflight = []
+        for k in range(min(DEPTH, len(pieces))):
+            inflight.append(self._read_piece(chunks, pieces[k], k))
+        for k, (i, off, n) in enumerate(pieces):
+            inflight.pop(0).wait()
+            crcs[i] = crc32c(self._stage[k % DEPTH], n, crcs[i])
+            if k + DEPTH < len(pieces):
+                inflight.append(self._read_piece(chunks, pieces[k + DEPTH], k + DEPTH))
+        for t in tails:
+            t.wait()
+        for (path, n, what), crc, stored in zip(chunks, crcs, trailers.tolist()):
+            self.bytes += n + 4
+            if crc != stored:
+                raise CheckpointCorruptionError(path, what, stored, crc)
+
+    def _read_piece(self, chunks, piece, k):
+        i, off, n = piece
+        return self.io.pread(self._stage[k % DEPTH], chunks[i][0], off, nbytes=n)
 
     def read_into(self, dest: torch.Tensor, path: str, offset: int):
         """Start reading dest's bytes from `path` at `offset`; returns the future."""
         nbytes = dest.numel() * dest.element_size()
         self.bytes += nbytes
         return self.io.pread(dest, path, offset, nbytes=nbytes)
-
-
-def crc_of_chunk_file(path: str) -> tuple[int, int]:
-    """(stored CRC, CRC of the values) of one chunk file, read with plain reads (for `info --verify`/tests)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if len(data) < 4:
-        raise CheckpointError(f"chunk file {path} has {len(data)} bytes; too short for its CRC-32C")
-    body = torch.frombuffer(bytearray(data[:-4]), dtype=torch.uint8) if len(data) > 4 else torch.empty(0)
-    return int.from_bytes(data[-4:], "little"), crc32c(body, len(data) - 4)
