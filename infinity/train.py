@@ -42,6 +42,11 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's optimizer.params.lr)")
     p.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warmup (default 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-dir", default=None, help="write checkpoints (zarr) here: every --save-every steps and at "
+                                                    "the end")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (default: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir (if it "
+                                                         "has one), bit-exactly")
 
 
 def run(args) -> int:
@@ -53,6 +58,10 @@ def run(args) -> int:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.save_every < 0:
+        raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
+    if (args.resume or args.save_every) and not args.save_dir:
+        raise ValueError("--resume and --save-every need --save-dir (where the checkpoints are)")
     out = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch(args, out)
@@ -188,10 +197,21 @@ def _train(args, out: Path, nvme: str) -> int:
             json.dump({"model": args.model, "numel": numel, "world": world, "micro_batch": micro, "seq": seq,
                        "steps": args.steps, "param_tier": engine.store.tier, "optimizer_tier": engine.optimizer.tier,
                        "baseline_rss_bytes": baseline, "swap_bytes_after_setup": _dir_bytes(nvme)}, f, indent=2)
+    start = 0
+    if args.resume and os.path.exists(os.path.join(args.save_dir, "latest")):
+        path, state = engine.load_checkpoint(args.save_dir)
+        if (state or {}).get("seq") != seq or state.get("model") != args.model:
+            raise ValueError(f"--resume: {path} was saved by a run with --model {state.get('model')} and --seq "
+                             f"{state.get('seq')}; this run has --model {args.model} and --seq {seq}")
+        start = state["next_step"]
+        if rank == 0:
+            print(f"resumed from {path} at step {start}", flush=True)
+    elif args.resume and rank == 0:
+        print(f"--resume: no checkpoint in {args.save_dir} yet; starting at step 0", flush=True)
     metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None
     rows = []
     try:
-        for step in range(args.steps):
+        for step in range(start, args.steps):
             x, y = _batch(step, micro * world, seq, vocab)
             x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
             t0 = time.perf_counter()
@@ -212,11 +232,19 @@ def _train(args, out: Path, nvme: str) -> int:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
                 _progress(row, args.steps)
+            if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+                t0 = time.perf_counter()
+                path = engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1, "model": args.model,
+                                                                           "seq": seq})
+                if rank == 0:
+                    print(f"\nsaved {path} in {time.perf_counter() - t0:.1f} s", flush=True)
     finally:
         engine.close()
         if metrics is not None:
             metrics.close()
-    if rank == 0:
+    if rank == 0 and not rows:
+        print(f"nothing to train: the checkpoint is already at step {start} of --steps {args.steps}")
+    elif rank == 0:
         _plot(rows, out / "metrics.png", args.model)
         first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / len(rows[-5:])
         print(f"\nloss {first:.3f} -> {last:.3f} (mean of the last 5 steps); metrics in {out}/metrics.jsonl, "

@@ -43,6 +43,28 @@ def test_train_on_two_ranks_through_torchrun(tmp_path, disk_dir):
     assert len(read_metrics(tmp_path / "run")) == 3
 
 
+def test_train_saves_and_resumes_bit_exactly(tmp_path, disk_dir):
+    """Killed after its step-4 checkpoint (simulated: --steps 4), a run resumed with --resume continues the
+    uninterrupted 6-step curve exactly, lr warmup included."""
+    common = ["--model", "gpt-tiny", "--warmup", "3", "--nvme-path", str(disk_dir)]
+    full = train(*common, "--steps", "6", "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr
+    first = train(*common, "--steps", "4", "--save-dir", str(tmp_path / "ck"), "--save-every", "2",
+                  "--out", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "global_step4"
+    assert (tmp_path / "ck" / "global_step2").is_dir()
+    second = train(*common, "--steps", "6", "--save-dir", str(tmp_path / "ck"), "--resume",
+                   "--out", str(tmp_path / "b"))
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout and "at step 4" in second.stdout
+    losses = [r["loss"] for r in read_metrics(tmp_path / "a") + read_metrics(tmp_path / "b")]
+    assert losses == [r["loss"] for r in read_metrics(tmp_path / "full")]
+    other = train("--model", "gpt-small", "--steps", "6", "--nvme-path", str(disk_dir), "--save-dir",
+                  str(tmp_path / "ck"), "--resume", "--out", str(tmp_path / "c"))
+    assert other.returncode == 2 and "does not fit this model" in other.stderr, other.stderr[-2000:]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "gpt-huge"], "--model 'gpt-huge': not a preset (gpt-tiny, gpt-small, gpt-25m, gpt-57m, gpt-125m, "
                               "gpt-100m, gpt-350m, gpt-1b, gpt-2b) nor an existing config.json file"),
@@ -53,6 +75,8 @@ def test_train_on_two_ranks_through_torchrun(tmp_path, disk_dir):
     (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
     (["--seq", "0"], "--seq must be >= 1, got 0"),
     (["--config", "/nonexistent.json"], "/nonexistent.json"),
+    (["--resume"], "--resume and --save-every need --save-dir"),
+    (["--save-every", "-1", "--save-dir", "x"], "--save-every must be >= 0, got -1"),
 ])
 def test_train_bad_input_is_one_clear_line(tmp_path, args, message):
     out = train(*args, "--out", str(tmp_path / "run"))
