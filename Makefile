@@ -9,9 +9,9 @@ STAMP := build/.deps-stamp
 
 .PHONY: deps build run test asan native-test clean
 
-$(STAMP): setup.py pyproject.toml native/install_deps.sh
+$(STAMP): setup.py pyproject.toml native/install_deps.sh Makefile
 	bash native/install_deps.sh
-	$(PIP) install -q --disable-pip-version-check "$(TORCH_PIN)" numpy pytest hypothesis pybind11 setuptools wheel matplotlib "transformers==5.24.0"
+	$(PIP) install -q --disable-pip-version-check "$(TORCH_PIN)" numpy pytest hypothesis pybind11 setuptools wheel matplotlib "transformers==5.24.0" safetensors "zarr>=3,<4"
 	mkdir -p build && touch $(STAMP)
 
 deps: $(STAMP)

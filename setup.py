@@ -112,7 +112,8 @@ setup(
     cmdclass={"build_ext": OptionalBuildExt},
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy"],
-    extras_require={"test": ["pytest", "hypothesis"], "plot": ["matplotlib"]},
+    extras_require={"test": ["pytest", "hypothesis", "safetensors", "zarr>=3"], "plot": ["matplotlib"],
+                    "zarr": ["zarr>=3"]},
     entry_points={"console_scripts": ["infinity=infinity.cli:main"]},
     zip_safe=False,
 )

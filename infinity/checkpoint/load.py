@@ -119,27 +119,29 @@ def my_reads(engine, m: dict):
         yield mp, s, lo, hi, pieces
 
 
-def load(engine, directory, tag: str | None = None, *, verify: bool = True) -> tuple[str, object]:
+def load(engine, directory, tag: str | None = None, *, verify: bool = True, module_only: bool = False,
+         lr_scheduler: bool = True) -> tuple[str, object]:
     """See Engine.load_checkpoint."""
     comm = engine.comm
     root, m = together(comm, "lookup", lambda: resolve(directory, tag))
     together(comm, "compatibility check", lambda: check_compatible(engine, m, root))
+    states = STATES[:1] if module_only else STATES
     io = open_io(engine.config, root)
     reader = ChunkReader(io)
     try:
         if verify:
-            together(comm, "verification", lambda: _verify(engine, m, root, reader))
-        together(comm, "load", lambda: _load(engine, m, root, reader))
+            together(comm, "verification", lambda: _verify(engine, m, root, reader, states))
+        together(comm, "load", lambda: _load(engine, m, root, reader, states, lr_scheduler))
     finally:
         io.close()
     return root, m.get("client_state")
 
 
-def _verify(engine, m: dict, root: str, reader: ChunkReader) -> None:
+def _verify(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
     chunks = {}
     for mp, s, lo, hi, pieces in my_reads(engine, m):
         for c, _, _ in pieces:
-            for state in STATES:
+            for state in states:
                 chunks.setdefault(chunk_path(root, state, mp.name, c), (4 * s["part"], f"{state} of parameter {mp.name}"))
     for e in m.get("extras", []):
         n = int(np.prod(e["shape"], dtype=np.int64))
@@ -152,7 +154,8 @@ def _verify(engine, m: dict, root: str, reader: ChunkReader) -> None:
         raise CheckpointError(f"checkpoint {root} is partial: {rank_meta} is missing")
 
 
-def _load(engine, m: dict, root: str, reader: ChunkReader) -> None:
+def _load(engine, m: dict, root: str, reader: ChunkReader, states, lr_scheduler: bool) -> None:
+    """Weights (and, unless module_only, moments, counters, scaler, scheduler, RNG) into the engine."""
     plan = {id(mp): (s, lo, hi, pieces) for mp, s, lo, hi, pieces in my_reads(engine, m)}
 
     def fill(g, p, mm, v):
@@ -161,6 +164,9 @@ def _load(engine, m: dict, root: str, reader: ChunkReader) -> None:
             s, lo, hi, pieces = plan[id(mp)]
             for state, dest in zip(STATES, (p, mm, v)):
                 d = dest[off:off + mp.part]
+                if state not in states:  # module_only: fresh moments
+                    d.zero_()
+                    continue
                 d[max(0, hi - lo):].zero_()  # padding
                 for c, a, b in pieces:
                     futs.append(reader.read_into(d[a - lo:b - lo], chunk_path(root, state, mp.name, c),
@@ -178,13 +184,16 @@ def _load(engine, m: dict, root: str, reader: ChunkReader) -> None:
         tmp = torch.empty(t.numel(), dtype=dtype)
         reader.read_into(tmp.view(torch.uint8), chunk_path(root, "extra", e["name"], 0), 0).wait()
         t.copy_(tmp.view(t.shape))
-    _restore_engine(engine, m)
+    if len(states) < len(STATES):  # module_only: Adam starts afresh from these weights
+        engine.optimizer.step_count = 0
+        return
+    _restore_engine(engine, m, lr_scheduler)
     rank_meta = os.path.join(root, "ranks", str(engine.comm.rank), "zarr.json")
     if engine.comm.world == m["world_size"] and os.path.exists(rank_meta):
         restore_rng(read_json(rank_meta)["attributes"]["rng"])
 
 
-def _restore_engine(engine, m: dict) -> None:
+def _restore_engine(engine, m: dict, lr_scheduler: bool = True) -> None:
     e = m["engine"]
     engine.global_steps = e["global_steps"]
     engine.skipped_steps = e["skipped_steps"]
@@ -193,7 +202,7 @@ def _restore_engine(engine, m: dict) -> None:
     for g, lr in zip(engine.optimizer.param_groups, e["lr"]):
         g["lr"] = lr
     engine.scaler.load_state_dict(e["loss_scaler"])
-    if engine.lr_scheduler is not None and e.get("lr_scheduler") is not None:
+    if lr_scheduler and engine.lr_scheduler is not None and e.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(e["lr_scheduler"])
 
 

@@ -45,7 +45,13 @@ def together(comm, what: str, fn, on_failure=None):
         out = fn()
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
         err = exc
-    if not comm.all_ok(err is None):
+    try:
+        ok = comm.all_ok(err is None)
+    except BaseException:  # a rank died or hung (RankFailure): clean up what we can, then say so
+        if on_failure is not None:
+            on_failure()
+        raise
+    if not ok:
         if on_failure is not None:
             on_failure()
         if err is not None:

@@ -206,14 +206,22 @@ class Engine:
 
         return save(self, save_dir, tag, client_state)
 
-    def load_checkpoint(self, load_dir, tag: str | None = None, *, verify: bool = True):
-        """Resume from save_dir/<tag> (default: the tag save_dir/latest names), saved by any number of ranks
-        under any offload config. Returns (path, client_state). verify=False skips the checksum pass of
-        [Note: verify before load]: faster, but corrupted bytes then go undetected."""
+    def load_checkpoint(self, load_dir, tag: str | None = None, *, load_module_only: bool = False,
+                        load_lr_scheduler_states: bool = True, verify: bool = True):
+        """Resume from load_dir/<tag> (default: the tag load_dir/latest names), saved by any number of ranks
+        under any offload config. Returns (path, client_state).
+
+        load_module_only loads the weights alone (fine-tuning from a checkpoint): Adam's moments and step
+        count start from zero; the engine's step counters, lr, loss scaler and RNG keep their current values.
+        load_lr_scheduler_states=False keeps the engine's lr scheduler as it is.
+        verify=False skips the checksum pass of [Note: verify before load]: faster, but corrupted bytes
+        then go undetected.
+        """
         self._check_open()
         from infinity.checkpoint.load import load
 
-        return load(self, load_dir, tag, verify=verify)
+        return load(self, load_dir, tag, verify=verify, module_only=load_module_only,
+                    lr_scheduler=load_lr_scheduler_states)
 
     def close(self) -> None:
         """Remove hooks, stop I/O and delete swap files. The model's parameters are left as placeholders."""

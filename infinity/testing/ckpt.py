@@ -86,6 +86,60 @@ def spawn_train(world: int, cfg: dict, steps: int, out_path: str, **kwargs) -> d
     return torch.load(out_path)
 
 
+def _dying_save_main(rank: int, world: int, port: int, cfg: dict, ck: str, out_path: str) -> None:
+    """Both ranks train a step and save s1; then rank 1 is SIGKILLed in the middle of saving s2.
+    Rank 0 records how its save ended and how long that took."""
+    import time
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from infinity.engine import initialize, zero_init
+    from infinity.models import GPT
+
+    with zero_init(cfg):
+        m = GPT(MODEL)
+    engine = initialize(m, cfg)
+    x, y = batch(0)
+    engine.backward(engine(x[rank::world], y[rank::world]))
+    engine.step()
+    engine.save_checkpoint(ck, "s1")
+    if rank == 1:
+        os.environ["INFINITY_CHECKPOINT_CRASH_AT"] = "group"
+    t0 = time.monotonic()
+    try:
+        engine.save_checkpoint(ck, "s2")
+        result = {"error": None}
+    except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
+        result = {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    os._exit(0)
+
+
+def save_with_a_dying_rank(cfg: dict, ck: str, out_path: str, timeout_s: float = 120) -> dict:
+    """Run _dying_save_main on 2 processes; rank 0's record (with "hung" if it had to be killed)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_dying_save_main, args=(r, 2, port, cfg, ck, out_path)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    hung = procs[0].is_alive()
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    with open(out_path) as f:
+        record = json.load(f)
+    record["hung"] = hung
+    return record
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] != ["crash"] or len(argv) not in (4, 5):

@@ -214,3 +214,24 @@ def test_export_errors_leave_no_output(saved, tmp_path):
                         str(tmp_path / "out.safetensors")], capture_output=True, text=True)
     assert r.returncode == 2 and "is corrupted" in r.stderr and "Traceback" not in r.stderr
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+
+
+def test_a_rank_dying_mid_save_fails_the_others_and_keeps_the_previous_checkpoint(disk_dir, tmp_path):
+    from infinity.testing.ckpt import save_with_a_dying_rank
+
+    os.makedirs(disk_dir / "swap", exist_ok=True)
+    cfg = engine_config("nvme", str(disk_dir / "swap"))
+    ck = tmp_path / "ck"
+    record = save_with_a_dying_rank(cfg, str(ck), str(tmp_path / "record.json"))
+    assert not record["hung"]
+    assert record["error"] == "RankFailure", record
+    assert record["seconds"] < 30
+    assert (ck / "latest").read_text().strip() == "s1"
+    assert not (ck / "s2").exists() and not (ck / ".s2.partial").exists()  # rank 0 removed the partial save
+    assert info(ck, verify=True)["world_size"] == 2
+    e = _engine()
+    try:
+        e.load_checkpoint(ck)  # 2 ranks -> 1
+        assert e.global_steps == 1
+    finally:
+        e.close()
