@@ -200,7 +200,8 @@ def _train(args, out: Path, nvme: str) -> int:
     start = 0
     if args.resume and os.path.exists(os.path.join(args.save_dir, "latest")):
         path, state = engine.load_checkpoint(args.save_dir)
-        if (state or {}).get("seq") != seq or state.get("model") != args.model:
+        state = state if isinstance(state, dict) else {}
+        if state.get("seq") != seq or state.get("model") != args.model or "next_step" not in state:
             raise ValueError(f"--resume: {path} was saved by a run with --model {state.get('model')} and --seq "
                              f"{state.get('seq')}; this run has --model {args.model} and --seq {seq}")
         start = state["next_step"]

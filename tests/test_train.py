@@ -44,25 +44,22 @@ def test_train_on_two_ranks_through_torchrun(tmp_path, disk_dir):
 
 
 def test_train_saves_and_resumes_bit_exactly(tmp_path, disk_dir):
-    """Killed after its step-4 checkpoint (simulated: --steps 4), a run resumed with --resume continues the
-    uninterrupted 6-step curve exactly, lr warmup included."""
+    """Killed after its step-2 checkpoint (simulated: --steps 2), a run resumed with --resume continues the
+    uninterrupted 4-step curve exactly, lr warmup included."""
     common = ["--model", "gpt-tiny", "--warmup", "3", "--nvme-path", str(disk_dir)]
-    full = train(*common, "--steps", "6", "--out", str(tmp_path / "full"))
+    full = train(*common, "--steps", "4", "--out", str(tmp_path / "full"))
     assert full.returncode == 0, full.stderr
-    first = train(*common, "--steps", "4", "--save-dir", str(tmp_path / "ck"), "--save-every", "2",
+    first = train(*common, "--steps", "2", "--save-dir", str(tmp_path / "ck"), "--save-every", "1",
                   "--out", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr
-    assert (tmp_path / "ck" / "latest").read_text().strip() == "global_step4"
-    assert (tmp_path / "ck" / "global_step2").is_dir()
-    second = train(*common, "--steps", "6", "--save-dir", str(tmp_path / "ck"), "--resume",
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "global_step2"
+    assert (tmp_path / "ck" / "global_step1").is_dir()
+    second = train(*common, "--steps", "4", "--save-dir", str(tmp_path / "ck"), "--resume",
                    "--out", str(tmp_path / "b"))
     assert second.returncode == 0, second.stderr
-    assert "resumed from" in second.stdout and "at step 4" in second.stdout
+    assert "resumed from" in second.stdout and "at step 2" in second.stdout
     losses = [r["loss"] for r in read_metrics(tmp_path / "a") + read_metrics(tmp_path / "b")]
     assert losses == [r["loss"] for r in read_metrics(tmp_path / "full")]
-    other = train("--model", "gpt-small", "--steps", "6", "--nvme-path", str(disk_dir), "--save-dir",
-                  str(tmp_path / "ck"), "--resume", "--out", str(tmp_path / "c"))
-    assert other.returncode == 2 and "does not fit this model" in other.stderr, other.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args,message", [

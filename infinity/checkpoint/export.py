@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import struct
 
 import numpy as np
 import torch
 
-from infinity.checkpoint.layout import STATES, CheckpointCorruptionError, CheckpointError, chunk_path
+from infinity.checkpoint.layout import STATES, CheckpointCorruptionError, CheckpointError, chunk_path, fsync_dir
 from infinity.checkpoint.load import _TORCH_DTYPES, resolve
 from infinity.swap.checksum import crc32c
 
@@ -29,7 +30,7 @@ _ST_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", 
 
 
 def entries(m: dict, state: str = "master"):
-    """(state_dict key, shape, dtype, chunk files as [(path, stored bytes, bytes to keep)]) in state_dict order."""
+    """{state_dict key: (shape, dtype, chunk files as [(file key, stored bytes, bytes to keep)])}, by element size."""
     out = {}
     for p in m["params"]:
         nbytes, chunk = 4 * p["numel"], 4 * p["part"]
@@ -44,7 +45,9 @@ def entries(m: dict, state: str = "master"):
         dtype = _TORCH_DTYPES[e["dtype"]]
         n = int(np.prod(e["shape"], dtype=np.int64)) * dtype.itemsize
         out[e["name"]] = (e["shape"], dtype, [(("extra", "extra", e["name"], 0), n, n)] if n else [])
-    return out
+    # By falling element size (stable): every tensor then starts aligned to its own element size, since the
+    # data block starts 8-aligned, as torch.frombuffer and mmap readers want.
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][1].itemsize))
 
 
 def all_chunks(root: str, m: dict):
@@ -102,7 +105,7 @@ def export(directory, out_path, tag: str | None = None) -> dict:
             os.replace(st_path, out_path)
         else:
             _safetensors_to_pt(st_path, ents, offsets, out_path)
-        _fsync_dir(os.path.dirname(out_path))
+        fsync_dir(os.path.dirname(out_path))
     finally:
         for p in (st_path, out_path + ".tmp"):
             if os.path.exists(p):
@@ -135,31 +138,23 @@ def _write_safetensors(root, m, ents, path):
 
 
 def _safetensors_to_pt(st_path, ents, offsets, out_path):
-    """torch.save of tensors memory-mapped from the streamed safetensors file: their pages are file-backed,
-    so the kernel can drop them again; no copy of the model is held in anonymous memory."""
+    """torch.save of tensors memory-mapped from the streamed safetensors file (one mapping, copy-on-write):
+    their pages are file-backed, so the kernel can drop them again; no copy of the model is held in
+    anonymous memory."""
     with open(st_path, "rb") as f:
         base = 8 + struct.unpack("<Q", f.read(8))[0]
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     state = {}
     for key, (shape, dtype, _) in ents.items():
         n = int(np.prod(shape, dtype=np.int64))
-        if n == 0:
-            state[key] = torch.empty(shape, dtype=dtype)
-            continue
-        raw = np.memmap(st_path, dtype=np.uint8, mode="c", offset=base + offsets[key], shape=(n * dtype.itemsize,))
-        state[key] = torch.from_numpy(raw).view(dtype).view(shape)
+        state[key] = (torch.frombuffer(mm, dtype=dtype, count=n, offset=base + offsets[key]).view(shape) if n
+                      else torch.empty(shape, dtype=dtype))
     tmp = out_path + ".tmp"
     torch.save(state, tmp)
+    del state
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, out_path)
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def info(directory, tag: str | None = None, *, verify: bool = False) -> dict:

@@ -23,7 +23,9 @@ renames the directory to DIR/<tag> (exchanging it with an older <tag> in one
 renameat2 call when there is one). Only then is DIR/latest replaced (temp
 file, fsync, rename, fsync of DIR). A save killed at any moment therefore
 leaves DIR/latest naming the previous complete checkpoint, whose files were
-never opened for writing; the next save removes the leftover .partial.
+never opened for writing. The next save into DIR removes every leftover
+DIR/.*.partial (one save into a directory at a time). The manifest and each
+rank's RNG record carry a CRC-32C of their canonical JSON.
 """
 
 from __future__ import annotations
@@ -57,10 +59,24 @@ class CheckpointCorruptionError(CheckpointError, OSError):
 
 
 def check_tag(tag: str) -> str:
-    if not isinstance(tag, str) or not _TAG.match(tag) or tag == LATEST or tag.endswith(PARTIAL_SUFFIX):
+    if not isinstance(tag, str) or not _TAG.match(tag) or tag.startswith(LATEST) or tag.endswith(PARTIAL_SUFFIX):
         raise ValueError(f"checkpoint tag {tag!r} is not usable: use letters, digits and _.+- (not starting with "
-                         f"'.', at most 128 characters, not {LATEST!r}, not ending in {PARTIAL_SUFFIX!r})")
+                         f"'.' or {LATEST!r}, at most 128 characters, not ending in {PARTIAL_SUFFIX!r})")
     return tag
+
+
+def canonical(obj) -> bytes:
+    """The bytes a manifest's CRC-32C is taken over (strict JSON: no NaN or Infinity)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def crc_of(obj) -> int:
+    import torch
+
+    from infinity.swap.checksum import crc32c
+
+    data = canonical(obj)
+    return crc32c(torch.frombuffer(bytearray(data), dtype=torch.uint8), len(data)) if data else 0
 
 
 def default_tag(step: int) -> str:
@@ -69,10 +85,6 @@ def default_tag(step: int) -> str:
 
 def partial_dir(directory: str, tag: str) -> str:
     return os.path.join(directory, f".{tag}{PARTIAL_SUFFIX}")
-
-
-def array_dir(root: str, state: str, name: str) -> str:
-    return os.path.join(root, state, name)
 
 
 def chunk_path(root: str, state: str, name: str, index: int) -> str:
@@ -93,22 +105,10 @@ def group_meta(attributes: dict | None = None) -> dict:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
 
 
-def write_json(path: str, obj: dict, *, durable: bool = False) -> None:
-    """Write a small JSON file; durable=True goes through a temp file, fsync and rename (crash-atomic)."""
-    data = json.dumps(obj, indent=1).encode()
-    tmp = path + ".tmp" if durable else path
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    if durable:
-        os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path))
+def write_json(path: str, obj: dict) -> None:
+    """Write a small metadata file (made durable by the save's syncfs)."""
+    with open(path, "wb") as f:
+        f.write(json.dumps(obj, indent=1, allow_nan=False).encode())
 
 
 def read_json(path: str) -> dict:
@@ -149,7 +149,7 @@ def sync_filesystem(path: str) -> None:
         os.close(fd)
 
 
-def exchange_or_rename(src: str, dst: str) -> bool:
+def exchange_or_rename(src: str, dst: str, *, dst_is_latest: bool) -> bool:
     """Move src to dst atomically. If dst exists, the two are exchanged (renameat2 RENAME_EXCHANGE) and True
     is returned: src then holds the old dst, for the caller to remove."""
     if not os.path.exists(dst):
@@ -163,10 +163,12 @@ def exchange_or_rename(src: str, dst: str) -> bool:
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
             raise OSError(err, f"renameat2(RENAME_EXCHANGE) to {dst} failed: {os.strerror(err)}", src)
-    # No exchange on this filesystem: two renames, with a window where dst is missing (latest is not yet
-    # updated then, and a load of the old tag names the .old directory in its error).
-    old = dst + ".old"
-    os.rename(dst, old)
+    # No exchange on this filesystem: replacing takes two renames, with a moment where dst is missing.
+    # That is acceptable for an older tag, but not for the one `latest` names.
+    if dst_is_latest:
+        raise OSError(errno.EOPNOTSUPP, "this filesystem cannot swap two directories atomically, so the checkpoint "
+                                        "that 'latest' names cannot be replaced safely; save under a new tag", dst)
+    os.rename(dst, src + ".old")
     os.rename(src, dst)
-    os.rename(old, src)
+    os.rename(src + ".old", src)
     return True

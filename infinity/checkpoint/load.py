@@ -20,15 +20,16 @@ from __future__ import annotations
 import base64
 import glob
 import os
+import pickle
 import random
 
 import numpy as np
 import torch
 
 from infinity.checkpoint.layout import (FORMAT, LATEST, STATES, VERSION, CheckpointError, check_tag, chunk_path,
-                                        partial_dir, read_json)
+                                        crc_of, partial_dir, read_json)
 from infinity.checkpoint.save import extra_tensors, together
-from infinity.checkpoint.stream import ChunkReader, open_io
+from infinity.checkpoint.stream import ChunkReader, Window, open_io
 
 _TORCH_DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -48,8 +49,12 @@ def resolve(directory, tag: str | None = None) -> tuple[str, dict]:
             raise CheckpointError(f"no checkpoint in {directory}: it has no '{LATEST}' file" + (
                 f" (only the interrupted save(s) {partials})" if partials else "") + "; pass tag= to load a "
                 "specific one")
-        with open(latest) as f:
-            tag = f.read().strip()
+        with open(latest, "rb") as f:
+            tag = f.read().decode(errors="replace").strip()
+        try:
+            check_tag(tag)
+        except ValueError:
+            raise CheckpointError(f"{latest} is corrupted: it holds {tag[:80]!r}, not a checkpoint tag") from None
     check_tag(tag)
     root = os.path.join(directory, tag)
     if not os.path.isdir(root):
@@ -74,6 +79,14 @@ def resolve(directory, tag: str | None = None) -> tuple[str, dict]:
                               f"{VERSION}: upgrade infinity")
     if not m.get("complete"):
         raise CheckpointError(f"checkpoint {root} is partial: its manifest is not marked complete")
+    stored = meta["attributes"].get("infinity_checkpoint_crc32c")
+    try:
+        actual = crc_of(m)
+    except ValueError:
+        actual = None
+    if stored != actual:
+        raise CheckpointError(f"checkpoint {root} is corrupted: its manifest ({meta_path}) does not match the "
+                              f"CRC-32C stored with it")
     return root, m
 
 
@@ -121,20 +134,40 @@ def my_reads(engine, m: dict):
 
 def load(engine, directory, tag: str | None = None, *, verify: bool = True, module_only: bool = False,
          lr_scheduler: bool = True) -> tuple[str, object]:
-    """See Engine.load_checkpoint."""
+    """See Engine.load_checkpoint and [Note: verify before load]."""
     comm = engine.comm
-    root, m = together(comm, "lookup", lambda: resolve(directory, tag))
-    together(comm, "compatibility check", lambda: check_compatible(engine, m, root))
+    root, m = _lookup(comm, directory, tag)
     states = STATES[:1] if module_only else STATES
+    apply = together(comm, "check", lambda: (check_compatible(engine, m, root),
+                                             _prepare_restore(engine, m, root, module_only, lr_scheduler))[1])
     io = open_io(engine.config, root)
     reader = ChunkReader(io)
     try:
         if verify:
             together(comm, "verification", lambda: _verify(engine, m, root, reader, states))
-        together(comm, "load", lambda: _load(engine, m, root, reader, states, lr_scheduler))
+        together(comm, "load", lambda: _load(engine, m, root, reader, states))
     finally:
         io.close()
+    engine.store.refresh_persistent()  # collective: only once every rank has loaded
+    apply()
     return root, m.get("client_state")
+
+
+def _lookup(comm, directory, tag):
+    """Rank 0 resolves the tag (latest may move under a concurrent save) and tells the others."""
+    out = err = None
+    if comm.rank == 0:
+        try:
+            out = ("ok", resolve(directory, tag))
+        except (CheckpointError, ValueError) as exc:
+            err = exc
+            out = ("error", type(exc).__name__, str(exc))
+    out = comm.broadcast_object(out)
+    if err is not None:
+        raise err
+    if out[0] == "error":
+        raise (ValueError if out[1] == "ValueError" else CheckpointError)(out[2])
+    return out[1]
 
 
 def _verify(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
@@ -149,61 +182,154 @@ def _verify(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
             chunks[chunk_path(root, "extra", e["name"], 0)] = (n * _TORCH_DTYPES[e["dtype"]].itemsize,
                                                                f"buffer {e['name']}")
     reader.verify((path, n, what) for path, (n, what) in chunks.items())
-    rank_meta = os.path.join(root, "ranks", str(engine.comm.rank % m["world_size"]), "zarr.json")
-    if not os.path.exists(rank_meta):
-        raise CheckpointError(f"checkpoint {root} is partial: {rank_meta} is missing")
 
 
-def _load(engine, m: dict, root: str, reader: ChunkReader, states, lr_scheduler: bool) -> None:
-    """Weights (and, unless module_only, moments, counters, scaler, scheduler, RNG) into the engine."""
+def _load(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
+    """Weights (and, unless module_only, Adam's moments) and buffers into this rank's engine."""
     plan = {id(mp): (s, lo, hi, pieces) for mp, s, lo, hi, pieces in my_reads(engine, m)}
 
     def fill(g, p, mm, v):
-        futs = []
-        for mp, off in zip(g.params, g.offsets):
-            s, lo, hi, pieces = plan[id(mp)]
-            for state, dest in zip(STATES, (p, mm, v)):
-                d = dest[off:off + mp.part]
-                if state not in states:  # module_only: fresh moments
-                    d.zero_()
-                    continue
-                d[max(0, hi - lo):].zero_()  # padding
-                for c, a, b in pieces:
-                    futs.append(reader.read_into(d[a - lo:b - lo], chunk_path(root, state, mp.name, c),
-                                                 4 * (a - c * s["part"])))
-        for f in futs:
-            f.wait()
+        window = Window()
+        try:
+            for mp, off in zip(g.params, g.offsets):
+                s, lo, hi, pieces = plan[id(mp)]
+                for state, dest in zip(STATES, (p, mm, v)):
+                    d = dest[off:off + mp.part]
+                    if state not in states:  # module_only: fresh moments
+                        d.zero_()
+                        continue
+                    d[max(0, hi - lo):].zero_()  # padding
+                    for c, a, b in pieces:
+                        reader.read_into(window, d[a - lo:b - lo], chunk_path(root, state, mp.name, c),
+                                         4 * (a - c * s["part"]))
+        finally:
+            window.finish()  # every read has landed (or failed) before the caller reuses these buffers
 
-    engine.optimizer.import_state(fill)
+    engine.optimizer.import_state(fill, refresh=False)
     current = extra_tensors(engine.module)
     for e in m.get("extras", []):
         t = current.get(e["name"])
         if t is None or not t.numel():
             continue
-        dtype = _TORCH_DTYPES[e["dtype"]]
-        tmp = torch.empty(t.numel(), dtype=dtype)
-        reader.read_into(tmp.view(torch.uint8), chunk_path(root, "extra", e["name"], 0), 0).wait()
+        tmp = torch.empty(t.numel(), dtype=_TORCH_DTYPES[e["dtype"]])
+        window = Window()
+        reader.read_into(window, tmp.view(torch.uint8), chunk_path(root, "extra", e["name"], 0), 0)
+        window.finish()
         t.copy_(tmp.view(t.shape))
-    if len(states) < len(STATES):  # module_only: Adam starts afresh from these weights
+
+
+def _prepare_restore(engine, m: dict, root: str, module_only: bool, lr_scheduler: bool):
+    """Check everything besides the arrays that a load will apply, and return the function that applies it
+    (after the arrays are in). Raises CheckpointError, with nothing changed, if any of it is unusable."""
+    from infinity.engine.loss_scaler import LossScaler
+
+    def fresh_optimizer():
         engine.optimizer.step_count = 0
-        return
-    _restore_engine(engine, m, lr_scheduler)
+        _forget_gradients(engine)
+
+    if module_only:  # Adam starts afresh from the loaded weights; the engine's counters stay
+        return fresh_optimizer
+    e = m.get("engine")
+    try:
+        counters = {k: int(e[k]) for k in ("global_steps", "skipped_steps", "micro_steps", "optimizer_steps")}
+        lrs = [float(x) for x in e["lr"]]
+        scaler = dict(e["loss_scaler"])
+        unknown = set(scaler) - set(LossScaler.__slots__)
+        if unknown:
+            raise ValueError(f"unknown loss scaler fields {sorted(unknown)}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {root} is corrupted: its manifest's engine state is unusable ({exc})") \
+            from None
+    if len(lrs) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {root} has {len(lrs)} optimizer param groups, the engine "
+                              f"{len(engine.optimizer.param_groups)}")
+    sched_state = None
+    sched = engine.lr_scheduler
+    if lr_scheduler and sched is not None and e.get("lr_scheduler") is not None:
+        saved_type = e["lr_scheduler"].get("type")
+        if saved_type != type(sched).__name__:
+            raise CheckpointError(f"checkpoint {root}: its lr scheduler state is a {saved_type}'s, it does not fit "
+                                  f"this engine's {type(sched).__name__}; pass load_lr_scheduler_states=False")
+        sched_state = _decode_scheduler(e["lr_scheduler"], root)
+        old = sched.state_dict()
+        try:  # a trial, undone at once: the real load happens after the arrays
+            sched.load_state_dict(sched_state)
+        except Exception as exc:  # noqa: BLE001 - any failure means this state does not fit this scheduler
+            raise CheckpointError(f"checkpoint {root}: its lr scheduler state does not fit this engine's "
+                                  f"{type(sched).__name__} ({exc}); pass load_lr_scheduler_states=False") from None
+        finally:
+            sched.load_state_dict(old)
+    rng = None
     rank_meta = os.path.join(root, "ranks", str(engine.comm.rank), "zarr.json")
-    if engine.comm.world == m["world_size"] and os.path.exists(rank_meta):
-        restore_rng(read_json(rank_meta)["attributes"]["rng"])
+    if engine.comm.world == m["world_size"]:  # RNG streams are per rank: only the same world continues them
+        rng = _read_rng(rank_meta, root)
+    use_scaler = bool(e.get("fp16")) and engine.config.fp16.enabled
+
+    def apply():
+        engine.global_steps = counters["global_steps"]
+        engine.skipped_steps = counters["skipped_steps"]
+        engine.micro_steps = engine.micro_steps_at_last_step = counters["micro_steps"]
+        engine.optimizer.step_count = counters["optimizer_steps"]
+        for g, lr in zip(engine.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        if use_scaler:
+            engine.scaler.load_state_dict(scaler)
+        if sched_state is not None:
+            sched.load_state_dict(sched_state)
+        if rng is not None:
+            restore_rng(rng)
+        _forget_gradients(engine)
+
+    return apply
 
 
-def _restore_engine(engine, m: dict, lr_scheduler: bool = True) -> None:
-    e = m["engine"]
-    engine.global_steps = e["global_steps"]
-    engine.skipped_steps = e["skipped_steps"]
-    engine.micro_steps = e["micro_steps"]
-    engine.optimizer.step_count = e["optimizer_steps"]
-    for g, lr in zip(engine.optimizer.param_groups, e["lr"]):
-        g["lr"] = lr
-    engine.scaler.load_state_dict(e["loss_scaler"])
-    if lr_scheduler and engine.lr_scheduler is not None and e.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(e["lr_scheduler"])
+def _forget_gradients(engine) -> None:
+    """Gradients accumulated before the load belong to the old state."""
+    engine._overlapped = None
+    engine.micro_steps_at_last_step = engine.micro_steps
+    for g in engine.optimizer.groups:
+        g.grad = None
+        for mp in g.params:
+            mp.grad = None
+    for mp in engine.store.params:
+        mp.param.grad = None
+
+
+def _decode_scheduler(state: dict, root: str):
+    if "json" in state:
+        return state["json"]
+    try:
+        return pickle.loads(base64.b64decode(state["pickle"]))
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {root}: its lr scheduler state cannot be read ({exc})") from None
+
+
+def _read_rng(path: str, root: str) -> dict:
+    """This rank's RNG states, checked against their CRC-32C and tried (then undone) on the generators."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {root} is partial: {path} is missing")
+    try:
+        attrs = read_json(path)["attributes"]
+        rng = attrs["rng"]
+        ok = attrs.get("rng_crc32c") == crc_of(rng)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {root} is corrupted: {path} is unreadable ({exc})") from None
+    if not ok:
+        raise CheckpointError(f"checkpoint {root} is corrupted: {path} does not match the CRC-32C stored with it")
+    old = _current_rng()
+    try:
+        restore_rng(rng)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {root}: the RNG states in {path} cannot be restored ({exc})") from None
+    finally:
+        restore_rng(old)
+    return rng
+
+
+def _current_rng() -> dict:
+    from infinity.checkpoint.save import rng_state
+
+    return rng_state()
 
 
 def restore_rng(state: dict) -> None:

@@ -17,6 +17,7 @@ import base64
 import dataclasses
 import json
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -25,9 +26,9 @@ import time
 import numpy as np
 import torch
 
-from infinity.checkpoint.layout import (FORMAT, LATEST, STATES, VERSION, CheckpointError, array_meta, check_tag,
-                                        chunk_path, default_tag, exchange_or_rename, fsync_dir, group_meta,
-                                        partial_dir, sync_filesystem, write_json)
+from infinity.checkpoint.layout import (FORMAT, LATEST, PARTIAL_SUFFIX, STATES, VERSION, CheckpointError, array_meta,
+                                        check_tag, chunk_path, crc_of, default_tag, exchange_or_rename, fsync_dir,
+                                        group_meta, partial_dir, sync_filesystem, write_json)
 from infinity.checkpoint.stream import ChunkWriter, open_io
 from infinity.engine.params import managed
 
@@ -85,17 +86,41 @@ def rng_state() -> dict:
     return state
 
 
-def _jsonable(value, what: str):
+def _jsonable(value, what: str, *, exact: bool = False):
+    """value as strict JSON carries it (tuples become lists, unless exact); else a TypeError naming `what`."""
     try:
-        return json.loads(json.dumps(value, allow_nan=True))
+        back = json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"save_checkpoint: {what} must be JSON-serialisable (dicts, lists, str, numbers, bool, "
-                        f"None): {exc}") from None
+        raise TypeError(f"save_checkpoint: {what} must be JSON-serialisable (dicts with str keys, lists, str, "
+                        f"finite numbers, bool, None): {exc}") from None
+    if back != (value if exact else _lists(value)):
+        raise TypeError(f"save_checkpoint: {what} does not survive a JSON round trip unchanged (dict keys that "
+                        "are not str?)")
+    return back
+
+
+def _lists(x):
+    if isinstance(x, (list, tuple)):
+        return [_lists(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _lists(v) for k, v in x.items()}
+    return x
+
+
+def scheduler_state(sched) -> dict | None:
+    """The lr scheduler's state_dict: as JSON when that carries it exactly, else pickled (e.g. MultiStepLR's
+    milestones are a Counter with int keys, which JSON would turn into strings)."""
+    if sched is None:
+        return None
+    state = sched.state_dict()
+    try:
+        return {"type": type(sched).__name__, "json": _jsonable(state, "the lr scheduler's state", exact=True)}
+    except TypeError:
+        return {"type": type(sched).__name__, "pickle": base64.b64encode(pickle.dumps(state)).decode()}
 
 
 def manifest(engine, tag: str, client_state) -> dict:
     store, opt = engine.store, engine.optimizer
-    sched = engine.lr_scheduler
     extras = extra_tensors(engine.module)
     return {
         "format": FORMAT, "version": VERSION, "complete": True, "tag": tag, "world_size": engine.comm.world,
@@ -109,8 +134,7 @@ def manifest(engine, tag: str, client_state) -> dict:
         "engine": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
                    "micro_steps": engine.micro_steps, "optimizer_steps": opt.step_count,
                    "lr": [float(g["lr"]) for g in opt.param_groups], "loss_scaler": engine.scaler.state_dict(),
-                   "lr_scheduler": _jsonable(sched.state_dict(), "the lr scheduler's state_dict")
-                   if sched is not None else None},
+                   "fp16": bool(engine.config.fp16.enabled), "lr_scheduler": scheduler_state(engine.lr_scheduler)},
         "client_state": _jsonable(client_state, "client_state"),
         "config": json.loads(json.dumps(dataclasses.asdict(engine.config), default=str)),
     }
@@ -133,9 +157,14 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
         raise RuntimeError(f"save_checkpoint: called after {engine.micro_steps % engine.gas} of "
                            f"{engine.gas} micro-batches of gradient accumulation; the accumulated gradients are not "
                            "part of a checkpoint, so save after engine.step()")
+    if engine.micro_steps != engine.micro_steps_at_last_step:
+        raise RuntimeError("save_checkpoint: called between engine.backward() and engine.step(); the gradients "
+                           "(or a step taken during backward) are not part of a checkpoint, so save after "
+                           "engine.step()")
     directory = os.path.abspath(os.fspath(directory))
     tag = check_tag(default_tag(engine.global_steps) if tag is None else tag)
     meta = manifest(engine, tag, client_state)
+    meta_crc = crc_of(meta)
     partial = partial_dir(directory, tag)
     final = os.path.join(directory, tag)
 
@@ -151,7 +180,9 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
         os.makedirs(directory, exist_ok=True)
         if not os.access(directory, os.W_OK):
             raise PermissionError(f"save_checkpoint: {directory} is not writable")
-        shutil.rmtree(partial, ignore_errors=True)  # a save that was killed
+        for name in os.listdir(directory):  # saves that were killed (one save into a directory at a time)
+            if name.startswith(".") and (name.endswith(PARTIAL_SUFFIX) or name.endswith(PARTIAL_SUFFIX + ".old")):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
         os.mkdir(partial)
         for state in STATES + ("extra", "ranks"):
             os.mkdir(os.path.join(partial, state))
@@ -174,18 +205,27 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
 
     def write_mine():
         os.mkdir(os.path.join(partial, "ranks", str(rank)))
-        write_json(os.path.join(partial, "ranks", str(rank), "zarr.json"), group_meta({"rng": rng_state()}))
+        rng = rng_state()
+        write_json(os.path.join(partial, "ranks", str(rank), "zarr.json"),
+                   group_meta({"rng": rng, "rng_crc32c": crc_of(rng)}))
         io = open_io(engine.config, partial)
         try:
             def use(g, p, m, v):
                 w = ChunkWriter(io)
-                for mp, off in zip(g.params, g.offsets):
-                    if rank * mp.part >= mp.numel:  # this rank's shard is all padding: no chunk
-                        continue
-                    for state, t in zip(STATES, (p, m, v)):
-                        w.write(chunk_path(partial, state, mp.name, rank), t[off:off + mp.part])
+                try:
+                    for mp, off in zip(g.params, g.offsets):
+                        if rank * mp.part >= mp.numel:  # this rank's shard is all padding: no chunk
+                            continue
+                        for state, t in zip(STATES, (p, m, v)):
+                            w.write(chunk_path(partial, state, mp.name, rank), t[off:off + mp.part])
+                except BaseException:
+                    try:
+                        w.finish()  # the views must outlive every write that was submitted
+                    except BaseException:  # noqa: BLE001 - the first error is the one raised
+                        pass
+                    raise
                 crash_point("group")
-                return w.wait
+                return w.finish
 
             opt.export_state(use)
             if rank == 0:
@@ -195,7 +235,7 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
                         flat = t.reshape(-1).cpu().contiguous()
                         w.write(chunk_path(partial, "extra", name, 0),
                                 flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat)
-                w.wait()
+                w.finish()
         finally:
             io.close()
         sync_filesystem(partial)
@@ -206,10 +246,11 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
     def commit():
         if rank != 0:
             return
-        write_json(os.path.join(partial, "zarr.json"), group_meta({"infinity_checkpoint": meta}))
+        write_json(os.path.join(partial, "zarr.json"), group_meta({"infinity_checkpoint": meta,
+                                                                   "infinity_checkpoint_crc32c": meta_crc}))
         sync_filesystem(partial)
         crash_point("marked")
-        exchanged = exchange_or_rename(partial, final)
+        exchanged = exchange_or_rename(partial, final, dst_is_latest=_read_latest(directory) == tag)
         fsync_dir(directory)
         crash_point("renamed")
         _write_latest(directory, tag)
@@ -218,6 +259,14 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
 
     together(comm, "commit", commit, discard)
     return final
+
+
+def _read_latest(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, LATEST)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
 
 
 def _write_latest(directory: str, tag: str) -> None:

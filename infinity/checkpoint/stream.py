@@ -30,13 +30,47 @@ def open_io(cfg, directory: str) -> AsyncIO:
                    overlap_events=aio.overlap_events)
 
 
-class ChunkWriter:
-    """Submit chunk writes; `wait()` raises the first error. The caller keeps each tensor alive until then."""
+MAX_IN_FLIGHT = 64  # requests; the native handle holds a file open per request until it completes
+
+
+class Window:
+    """Submitted requests, at most MAX_IN_FLIGHT at a time (each holds file descriptors until done).
+
+    `finish()` waits for every request, even after one has failed, and then
+    raises the first error: a caller may reuse or release the memory those
+    requests read or wrote only once finish() has returned or raised.
+    """
+
+    def __init__(self):
+        self.futures = []
+        self.first = None
+
+    def add(self, submit) -> None:
+        while len(self.futures) >= MAX_IN_FLIGHT:
+            self._settle(self.futures.pop(0))
+        self.futures.append(submit())
+
+    def _settle(self, f) -> None:
+        try:
+            f.wait()
+        except BaseException as exc:  # noqa: BLE001 - the first error is raised by finish()
+            self.first = self.first or exc
+
+    def finish(self) -> None:
+        futures, self.futures = self.futures, []
+        for f in futures:
+            self._settle(f)
+        first, self.first = self.first, None
+        if first is not None:
+            raise first
+
+
+class ChunkWriter(Window):
+    """Chunk writes through a Window; the caller keeps each tensor alive until finish() returns or raises."""
 
     def __init__(self, io: AsyncIO):
+        super().__init__()
         self.io = io
-        self.futures = []
-        self.bytes = 0
 
     def write(self, path: str, values: torch.Tensor) -> None:
         """path := values' bytes, then their CRC-32C (little endian); the data write runs while the CRC is taken."""
@@ -44,21 +78,9 @@ class ChunkWriter:
             raise ValueError(f"ChunkWriter.write({path}): needs a contiguous CPU tensor")
         nbytes = values.numel() * values.element_size()
         if nbytes:
-            self.futures.append(self.io.pwrite(values, path, 0, nbytes=nbytes))
+            self.add(lambda: self.io.pwrite(values, path, 0, nbytes=nbytes))
         trailer = np.array([crc32c(values, nbytes)], dtype="<u4")
-        self.futures.append(self.io.pwrite(trailer, path, nbytes))
-        self.bytes += nbytes + 4
-
-    def wait(self) -> None:
-        futures, self.futures = self.futures, []
-        first = None
-        for f in futures:
-            try:
-                f.wait()
-            except BaseException as exc:  # noqa: BLE001 - every write must land or fail before we go on
-                first = first or exc
-        if first is not None:
-            raise first
+        self.add(lambda: self.io.pwrite(trailer, path, nbytes))
 
 
 class ChunkReader:
@@ -67,7 +89,6 @@ class ChunkReader:
     def __init__(self, io: AsyncIO):
         self.io = io
         self._stage = [aligned_empty(PIECE, pin=False) for _ in range(DEPTH)]
-        self.bytes = 0
 
     @staticmethod
     def check_size(path: str, nbytes: int, what: str) -> None:
@@ -90,30 +111,40 @@ class ChunkReader:
         for path, nbytes, what in chunks:
             self.check_size(path, nbytes, what)
         pieces = [(i, off, min(PIECE, n - off)) for i, (_, n, _) in enumerate(chunks) for off in range(0, n, PIECE)]
-        trailers = np.zeros(len(chunks), dtype="<u4")
-        tails = [self.io.pread(trailers[i:i + 1], path, n) for i, (path, n, _) in enumerate(chunks)]
         crcs = [0] * len(chunks)
-        inflight = []
-        for k in range(min(DEPTH, len(pieces))):
-            inflight.append(self._read_piece(chunks, pieces[k], k))
-        for k, (i, off, n) in enumerate(pieces):
-            inflight.pop(0).wait()
-            crcs[i] = crc32c(self._stage[k % DEPTH], n, crcs[i])
-            if k + DEPTH < len(pieces):
-                inflight.append(self._read_piece(chunks, pieces[k + DEPTH], k + DEPTH))
-        for t in tails:
-            t.wait()
-        for (path, n, what), crc, stored in zip(chunks, crcs, trailers.tolist()):
-            self.bytes += n + 4
+        window = Window()
+        try:
+            for k in range(min(DEPTH, len(pieces))):
+                window.add(self._reader(chunks, pieces[k], k))
+            for k, (i, off, n) in enumerate(pieces):
+                window.futures.pop(0).wait()
+                crcs[i] = crc32c(self._stage[k % DEPTH], n, crcs[i])
+                if k + DEPTH < len(pieces):
+                    window.add(self._reader(chunks, pieces[k + DEPTH], k + DEPTH))
+        finally:
+            window.finish()
+        for (path, n, what), crc in zip(chunks, crcs):
+            stored = _trailer(path, n)
             if crc != stored:
                 raise CheckpointCorruptionError(path, what, stored, crc)
 
-    def _read_piece(self, chunks, piece, k):
+    def _reader(self, chunks, piece, k):
         i, off, n = piece
-        return self.io.pread(self._stage[k % DEPTH], chunks[i][0], off, nbytes=n)
+        return lambda: self.io.pread(self._stage[k % DEPTH], chunks[i][0], off, nbytes=n)
 
-    def read_into(self, dest: torch.Tensor, path: str, offset: int):
-        """Start reading dest's bytes from `path` at `offset`; returns the future."""
+    def read_into(self, window: Window, dest: torch.Tensor, path: str, offset: int) -> None:
+        """Queue a read of dest's bytes from `path` at `offset` on `window`."""
         nbytes = dest.numel() * dest.element_size()
-        self.bytes += nbytes
-        return self.io.pread(dest, path, offset, nbytes=nbytes)
+        window.add(lambda: self.io.pread(dest, path, offset, nbytes=nbytes))
+
+
+def _trailer(path: str, nbytes: int) -> int:
+    """The CRC-32C stored after a chunk's values (a plain 4-byte read)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, 4, nbytes)
+    finally:
+        os.close(fd)
+    if len(data) != 4:
+        raise CheckpointError(f"checkpoint is partial: chunk file {path} ends before its CRC-32C")
+    return int.from_bytes(data, "little")

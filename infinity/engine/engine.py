@@ -85,6 +85,7 @@ class Engine:
             lr_scheduler, "step") else lr_scheduler
         self.gas = cfg.gradient_accumulation_steps
         self.micro_steps = 0
+        self.micro_steps_at_last_step = 0  # save_checkpoint refuses while a backward's gradients are pending
         self.global_steps = 0
         self.skipped_steps = 0
         self.reports: list[StepReport] = []
@@ -152,6 +153,7 @@ class Engine:
         self._check_open()
         if not self.is_gradient_accumulation_boundary():
             return False
+        self.micro_steps_at_last_step = self.micro_steps
         t0 = time.perf_counter()
         if self._overlapped is not None:
             overflow, norm, stats = self._overlapped

@@ -37,6 +37,7 @@ import torch
 from infinity.engine.comm import Comm
 from infinity.engine.params import ParamStore
 from infinity.optim import cpu_adam_step, grads_finite
+from infinity.swap.registry import Residency
 from infinity.swap.telemetry import StepStats
 
 
@@ -287,45 +288,42 @@ class ShardedAdam(torch.optim.Optimizer):
         """Call use(group, param, exp_avg, exp_avg_sq) for every group, with CPU fp32 views of its state.
 
         `use` returns a function that waits until it is done with the views
-        (its writes have landed). On NVMe the next group is read while the
-        previous one's writes are in flight; at most two groups' buffers are
-        held. Nothing here changes the state.
+        (its writes have landed); if `use` raises, it must have waited for
+        whatever it started. On NVMe the next group is read while the
+        previous one's writes are in flight, so up to three pool buffers are
+        held (two being written, one being read). State on an accelerator
+        is copied one parameter at a time. Nothing here changes the state.
         """
         if self.swapper is None:
-            waits = []
             for g in self.groups:
                 if g.master.device.type == "cpu":
-                    waits.append(use(g, g.master, g.exp_avg, g.exp_avg_sq))
-                else:  # one group's copy at a time
-                    use(g, g.master.cpu(), g.exp_avg.cpu(), g.exp_avg_sq.cpu())()
-            for w in waits:
-                w()
+                    use(g, g.master, g.exp_avg, g.exp_avg_sq)()
+                else:  # one parameter's shard at a time, so the staging copy is bounded by the largest shard
+                    for sub, lo, hi in _per_param(g):
+                        use(sub, g.master[lo:hi].cpu(), g.exp_avg[lo:hi].cpu(), g.exp_avg_sq[lo:hi].cpu())()
             return
         sw, ids = self.swapper.swapper, self.swapper.ids
-        inflight: list = []  # (id, wait) of groups whose buffers the writes still read
+        inflight: list = []  # [id, wait] of groups whose buffers are held (swapped in, maybe being written)
 
         def retire():
             pid, w = inflight.pop(0)
             try:
-                w()
+                if w is not None:
+                    w()
             finally:
                 sw.release(pid)
 
-        fut = sw.swap_in(ids[0]) if ids else None
-        fut_id = ids[0] if ids else None
+        fut, fut_id = (sw.swap_in(ids[0]), ids[0]) if ids else (None, None)
         try:
             for i, g in enumerate(self.groups):
                 state = fut.wait()
+                entry = [ids[i], None]
+                inflight.append(entry)  # from here on, retire() hands the buffer back whatever happens
                 fut = fut_id = None
                 if i + 1 < len(ids):
                     fut, fut_id = sw.swap_in(ids[i + 1], prefetch=True), ids[i + 1]
                 n = g.numel
-                try:
-                    w = use(g, state[:n], state[n:2 * n], state[2 * n:])
-                except BaseException:
-                    sw.release(ids[i])
-                    raise
-                inflight.append((ids[i], w))
+                entry[1] = use(g, state[:n], state[n:2 * n], state[2 * n:])
                 while len(inflight) > 1 or (inflight and fut is None and i + 1 < len(ids)):
                     retire()
                 if fut is None and i + 1 < len(ids):
@@ -346,26 +344,33 @@ class ShardedAdam(torch.optim.Optimizer):
         while inflight:
             retire()
 
-    def import_state(self, fill) -> None:
+    def import_state(self, fill, *, refresh: bool = True) -> None:
         """Replace every group's state: fill(group, param, exp_avg, exp_avg_sq) writes CPU fp32 views of it.
 
-        Then the parameter store gets the new weights (in the compute dtype),
-        and persistent parameters are re-gathered. An error part-way leaves a
-        mix of old and new groups: load_checkpoint verifies the whole
-        checkpoint before it calls this.
+        `fill` must have finished every read into the views when it returns
+        or raises. Then the parameter store gets the new weights (in the
+        compute dtype), and with `refresh`, persistent parameters are
+        re-gathered (a collective: load_checkpoint does it once every rank
+        has loaded). An error part-way leaves a mix of old and new groups:
+        load_checkpoint verifies the whole checkpoint before it calls this.
         """
         if self.swapper is None:
             for g in self.groups:
                 if g.master.device.type == "cpu":
                     fill(g, g.master, g.exp_avg, g.exp_avg_sq)
-                else:
-                    tmp = torch.empty(3, g.numel, dtype=torch.float32)
-                    fill(g, tmp[0], tmp[1], tmp[2])
-                    for dst, src in zip((g.master, g.exp_avg, g.exp_avg_sq), tmp):
-                        dst.copy_(src)
+                else:  # staged one parameter's shard at a time
+                    for sub, lo, hi in _per_param(g):
+                        tmp = torch.empty(3, hi - lo, dtype=torch.float32)
+                        fill(sub, tmp[0], tmp[1], tmp[2])
+                        for dst, src in zip((g.master, g.exp_avg, g.exp_avg_sq), tmp):
+                            dst[lo:hi].copy_(src)
                 self._publish(g, g.master)
         else:
             sw, ids = self.swapper.swapper, self.swapper.ids
+            busy = [pid for pid in ids if sw.registry[pid].residency is not Residency.ON_DISK]
+            if busy:
+                raise RuntimeError(f"import_state: optimizer partitions {busy[:3]} are not at rest (an earlier swap "
+                                   "failed or is still running); nothing was changed")
             writes = []
             try:
                 for i, g in enumerate(self.groups):
@@ -375,10 +380,11 @@ class ShardedAdam(torch.optim.Optimizer):
                         state = buf.view(torch.float32, 3 * n)
                         fill(g, state[:n], state[n:2 * n], state[2 * n:])
                         self._publish(g, state[:n])
+                        writes.append(sw.swap_out_buffer(ids[i], buf, torch.float32, 3 * n))
                     except BaseException:
-                        sw.pool.release(buf)
+                        if sw.registry[ids[i]].buffer is not buf:  # the swapper did not take it over
+                            sw.pool.release(buf)
                         raise
-                    writes.append(sw.swap_out_buffer(ids[i], buf, torch.float32, 3 * n))
             finally:
                 first = None
                 for w in writes:
@@ -389,7 +395,8 @@ class ShardedAdam(torch.optim.Optimizer):
                 if first is not None:
                     raise first
         self._flush()
-        self.store.refresh_persistent()
+        if refresh:
+            self.store.refresh_persistent()
 
     def _flush(self) -> None:
         if self.store.tier == "nvme":
@@ -406,6 +413,20 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.swap is not None:
             self.swap.close()
             self.swap = None
+
+
+class _OneParam:
+    """A group of one parameter (export_state/import_state stage accelerator state per parameter)."""
+
+    __slots__ = ("params", "offsets", "numel", "index")
+
+    def __init__(self, mp, index):
+        self.params, self.offsets, self.numel, self.index = [mp], [0], mp.part, index
+
+
+def _per_param(g: _Group):
+    for mp, off in zip(g.params, g.offsets):
+        yield _OneParam(mp, g.index), off, off + mp.part
 
 
 def _finite(grads) -> bool:

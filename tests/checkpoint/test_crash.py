@@ -74,7 +74,7 @@ def test_sigkill_at_random_moments(disk_dir):
     cfg = _cfg(disk_dir)
     rng = random.Random(20261203)
     starts = []
-    for i in range(3):
+    for i in range(2):
         ck = disk_dir / f"ck{i}"
         proc = _child(cfg, ck, STEPS)
         # Wait for the first checkpoint, then kill within the next stretch of steps and saves.

@@ -100,6 +100,20 @@ def test_corrupted_chunk_is_found_before_anything_changes(saved):
 def test_corrupted_manifest(saved):
     e, ck = saved
     snap = _snapshot(e)
+    meta = ck / "global_step1" / "zarr.json"
+    text = meta.read_text()
+    meta.write_text(text.replace('"global_steps": 1', '"global_steps": 7'))
+    with pytest.raises(CheckpointError, match="its manifest .* does not match the CRC-32C stored with it"):
+        e.load_checkpoint(ck)
+    meta.write_text(text)
+    rng = ck / "global_step1" / "ranks" / "0" / "zarr.json"
+    rng.write_text(rng.read_text().replace('"python": [\n', '"python": [\n 4,', 1).replace('"python": [', '"python": [4,', 1))
+    with pytest.raises(CheckpointError, match="ranks/0/zarr.json does not match the CRC-32C"):
+        e.load_checkpoint(ck)
+    (ck / "latest").write_bytes(b"\xff\x00garbage/..")
+    with pytest.raises(CheckpointError, match="latest is corrupted"):
+        e.load_checkpoint(ck)
+    (ck / "latest").write_text("global_step1\n")
     (ck / "global_step1" / "zarr.json").write_text('{"zarr_format": 3, "node_')
     with pytest.raises(CheckpointError, match="is corrupted: .*zarr.json is not valid JSON"):
         e.load_checkpoint(ck)
@@ -235,3 +249,48 @@ def test_a_rank_dying_mid_save_fails_the_others_and_keeps_the_previous_checkpoin
         assert e.global_steps == 1
     finally:
         e.close()
+
+
+def test_save_between_backward_and_step_is_refused(tmp_path):
+    e = _engine()
+    try:
+        x, y = batch(0)
+        e.backward(e(x, y))
+        with pytest.raises(RuntimeError, match="between engine.backward\\(\\) and engine.step\\(\\)"):
+            e.save_checkpoint(tmp_path / "ck")
+        e.step()
+        e.save_checkpoint(tmp_path / "ck")
+    finally:
+        e.close()
+
+
+def test_a_scheduler_that_does_not_fit_changes_nothing(tmp_path):
+    cfg = engine_config("none")
+    ck = tmp_path / "ck"
+    src = initialize(GPT(MODEL), cfg, lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    _step(src)
+    src.save_checkpoint(ck)
+    src.close()
+    torch.manual_seed(0)
+    e = initialize(GPT(MODEL), cfg, lr_scheduler=lambda opt: torch.optim.lr_scheduler.CyclicLR(
+        opt, 1e-4, 1e-3, cycle_momentum=False))
+    try:
+        _step(e)
+        snap = _snapshot(e)
+        sched = e.lr_scheduler.state_dict()
+        with pytest.raises(CheckpointError, match="its lr scheduler state is a LambdaLR's, it does not fit this engine's CyclicLR"):
+            e.load_checkpoint(ck)
+        _assert_unchanged(e, snap)
+        assert e.lr_scheduler.state_dict() == sched
+        e.load_checkpoint(ck, load_lr_scheduler_states=False)
+        assert e.global_steps == 1
+    finally:
+        e.close()
+
+
+def test_leftovers_of_killed_saves_are_removed_by_the_next_save(saved):
+    e, ck = saved
+    (ck / ".global_step5.partial" / "master").mkdir(parents=True)
+    (ck / ".other.partial").mkdir()
+    e.save_checkpoint(ck, "next")
+    assert sorted(os.listdir(ck)) == ["global_step1", "latest", "next"]
