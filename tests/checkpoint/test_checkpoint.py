@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from infinity.cli import main
 from infinity.testing.ckpt import spawn_train, train
 from infinity.testing.parity import engine_config
 
@@ -159,7 +158,7 @@ def test_buffers_and_frozen_parameters_round_trip(disk_dir):
         e.close()
 
 
-def test_export_writes_a_plain_state_dict(disk_dir):
+def test_export_writes_a_plain_state_dict(disk_dir, capsys):
     from safetensors.torch import load_file
 
     from infinity.models import GPT
@@ -167,10 +166,8 @@ def test_export_writes_a_plain_state_dict(disk_dir):
 
     out = train(config("nvme", "bf16", disk_dir), 2, save=str(disk_dir / "ck"))
     for name in ("w.safetensors", "w.pt"):
-        r = subprocess.run([sys.executable, "-m", "infinity.cli", "checkpoint", "export", str(disk_dir / "ck"),
-                            str(disk_dir / name)], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        assert "wrote" in r.stdout
+        assert main(["checkpoint", "export", str(disk_dir / "ck"), str(disk_dir / name)]) == 0
+        assert "wrote" in capsys.readouterr().out
     st, pt = load_file(str(disk_dir / "w.safetensors")), torch.load(str(disk_dir / "w.pt"))
     plain = GPT(MODEL)
     assert st.keys() == pt.keys() == plain.state_dict().keys()  # tied names included
@@ -183,17 +180,15 @@ def test_export_writes_a_plain_state_dict(disk_dir):
     assert not [p for p in os.listdir(disk_dir) if p.endswith(".tmp") or ".tmp." in p]
 
 
-def test_info_summarises_and_verifies(disk_dir):
+def test_info_summarises_and_verifies(disk_dir, capsys):
     train(config("none", "fp32", disk_dir), 2, save=str(disk_dir / "ck"))
-    r = subprocess.run([sys.executable, "-m", "infinity.cli", "checkpoint", "info", str(disk_dir / "ck"), "--verify",
-                        "--json"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    info = json.loads(r.stdout)
+    assert main(["checkpoint", "info", str(disk_dir / "ck"), "--verify", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
     assert info["tag"] == "global_step2" and info["is_latest"] and info["world_size"] == 1
     assert info["global_steps"] == 2 and info["client_state"] == {"next_step": 2}
     assert info["verified_bytes"] == 3 * 4 * sum(int(np.prod(p)) for p in _param_shapes())
-    text = subprocess.run([sys.executable, "-m", "infinity.cli", "checkpoint", "info", str(disk_dir / "ck")],
-                          capture_output=True, text=True).stdout
+    assert main(["checkpoint", "info", str(disk_dir / "ck")]) == 0
+    text = capsys.readouterr().out
     assert "global_step2 (latest)" in text and "step 2" in text
 
 
