@@ -10,7 +10,10 @@ is reported as GB/s of checkpoint bytes (12 per parameter plus CRCs and
 metadata), and against fio as time / bound, the bound being the time fio's
 read and write rates need for every byte the operation moved: a save also
 reads the optimizer's swap files, a load also writes them (and, in bf16,
-the parameter shards), and a verified load reads the checkpoint twice. RSS is sampled every 5 ms: the growth
+the parameter shards), and a verified load reads the checkpoint twice. A
+save creates its files, so its writes are held to fio writing a new file
+(--fallocate=none: blocks allocated as it goes); the swap writes of a load
+overwrite, as fio's default write does. RSS is sampled every 5 ms: the growth
 during a save or load, over the RSS before it, is what a checkpoint costs
 in memory beyond the swap pools the engine already holds.
 """
@@ -36,6 +39,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+    p.add_argument("--offload", choices=("nvme", "ram"), default="nvme",
+                   help="where parameters and optimizer live (ram: a save is only the checkpoint's writes)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-fio", action="store_true", help="skip the fio peer")
     p.add_argument("--json", action="store_true")
@@ -62,7 +67,10 @@ def run(args) -> int:
     try:
         shape = SimpleNamespace(vocab=args.vocab, seq=128, layers=args.layers, dim=args.dim, heads=8, batch=2,
                                 precision=args.precision)
-        model_cfg, cfg = config(shape, "nvme", work)
+        model_cfg, cfg = config(shape, args.offload, work)
+        if args.offload == "ram":
+            for k in ("offload_param", "offload_optimizer"):
+                cfg["zero_optimization"][k] = {"device": "cpu"}
         torch.manual_seed(0)
         with zero_init(cfg):
             model = GPT(model_cfg)
@@ -73,6 +81,10 @@ def run(args) -> int:
             engine.step()
             numel = sum(mp.numel for mp in engine.store.params)
             aio = engine.config.aio
+            from infinity.checkpoint.stream import open_io
+
+            with open_io(engine.config, work) as probe:  # the backend a checkpoint's I/O runs on
+                backend = probe.backend if probe.backend in ("libaio", "io_uring", "threads") else "libaio"
             rows = []
             ck = os.path.join(work, "ck")
             for r in range(args.rounds):
@@ -81,10 +93,10 @@ def run(args) -> int:
                 for who in order:
                     if who == "fio" and not args.no_fio and fio_available():
                         path = os.path.join(work, "fio.dat")
-                        kw = dict(path=path, size=1 << 30, backend=engine.store.swap.io.backend
-                                  if engine.store.swap.io.backend in ("libaio", "io_uring", "threads") else "libaio",
-                                  block_size=aio.block_size, queue_depth=aio.queue_depth, threads=1, direct=True)
-                        row["fio_write_gbps"] = run_fio(op="write", **kw) / 1e9
+                        kw = dict(path=path, size=1 << 30, backend=backend, block_size=aio.block_size, queue_depth=aio.queue_depth, threads=1, direct=True)
+                        # A checkpoint writes new files: fio's peer of that is a write that allocates as it goes.
+                        row["fio_write_new_gbps"] = run_fio(op="write", **kw, extra=("--fallocate=none",)) / 1e9
+                        row["fio_write_gbps"] = run_fio(op="write", **kw) / 1e9  # overwriting, as swap writes do
                         row["fio_read_gbps"] = run_fio(op="read", **kw) / 1e9
                         os.unlink(path)
                     elif who == "ours":
@@ -92,7 +104,7 @@ def run(args) -> int:
                         shutil.rmtree(os.path.join(ck, f"round{r - 1}"), ignore_errors=True)
                 rows.append(row)
                 print(json.dumps({"round": r, **{k: round(v, 4) for k, v in row.items()}}), flush=True)
-            pools = engine.optimizer.swap.pool.nbytes + engine.store.swap.pool.nbytes
+            pools = sum(c.pool.nbytes for c in (engine.optimizer.swap, engine.store.swap) if c is not None)
         finally:
             engine.close()
     finally:
@@ -106,16 +118,18 @@ def run(args) -> int:
     for op in ops:
         out[f"{op}_gbps"] = ck_bytes / med[f"{op}_s"] / 1e9
         if "fio_write_gbps" in med:  # the time fio's rates need for the bytes this operation moved
-            bound = (med[f"{op}_read_bytes"] / med["fio_read_gbps"]
-                     + med[f"{op}_write_bytes"] / med["fio_write_gbps"]) / 1e9
+            write_rate = med["fio_write_new_gbps"] if op == "save" else med["fio_write_gbps"]
+            bound = (med[f"{op}_read_bytes"] / med["fio_read_gbps"] + med[f"{op}_write_bytes"] / write_rate) / 1e9
             out[f"{op}_io_bound_s"] = bound
             out[f"{op}_vs_bound"] = med[f"{op}_s"] / bound
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{numel / 1e6:.1f}M parameters ({args.precision}, parameters and optimizer on NVMe), checkpoint "
+    where = "NVMe" if args.offload == "nvme" else "RAM"
+    print(f"{numel / 1e6:.1f}M parameters ({args.precision}, parameters and optimizer in {where}), checkpoint "
           f"{ck_bytes / 1e9:.2f} GB, median of {args.rounds} rounds"
-          + (f"; fio: write {med['fio_write_gbps']:.2f} GB/s, read {med['fio_read_gbps']:.2f} GB/s"
+          + (f"; fio: write {med['fio_write_new_gbps']:.2f} GB/s to a new file, {med['fio_write_gbps']:.2f} "
+             f"overwriting, read {med['fio_read_gbps']:.2f} GB/s"
              if "fio_write_gbps" in med else ""))
     print(f"{'':18} {'GB/s':>6} {'time s':>7} {'disk read GB':>12} {'disk write GB':>13} {'fio bound s':>11} "
           f"{'time/bound':>10}")

@@ -15,7 +15,7 @@ def fio_available() -> bool:
 
 
 def run_fio(*, op: str, path: str, size: int, backend: str, block_size: int, queue_depth: int,
-            threads: int, direct: bool) -> float:
+            threads: int, direct: bool, extra: tuple = ()) -> float:
     """Bandwidth in bytes/s of one fio pass over `path`.
 
     Like our handle, `threads` jobs split the file between them (each takes a
@@ -28,7 +28,7 @@ def run_fio(*, op: str, path: str, size: int, backend: str, block_size: int, que
            f"--iodepth={queue_depth if FIO_ENGINE[backend] != 'psync' else 1}",
            f"--ioengine={FIO_ENGINE[backend]}", f"--direct={int(direct)}", f"--size={per_job}",
            f"--numjobs={threads}", f"--offset_increment={per_job}", "--group_reporting",
-           "--output-format=json", "--invalidate=1"]
+           "--output-format=json", "--invalidate=1", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"fio failed ({' '.join(cmd)}): {out.stderr.strip() or out.stdout.strip()}")

@@ -21,6 +21,8 @@ import pickle
 import random
 import shutil
 import signal
+import sys
+import threading
 import time
 
 import numpy as np
@@ -184,21 +186,19 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
             if name.startswith(".") and (name.endswith(PARTIAL_SUFFIX) or name.endswith(PARTIAL_SUFFIX + ".old")):
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
         os.mkdir(partial)
-        for state in STATES + ("extra", "ranks"):
-            os.mkdir(os.path.join(partial, state))
-            write_json(os.path.join(partial, state, "zarr.json"), group_meta())
-        for mp in store.params:
-            for state in STATES:
-                d = os.path.join(partial, state, mp.name)
-                os.mkdir(d)
-                write_json(os.path.join(d, "zarr.json"),
-                           array_meta(mp.numel, mp.part, attributes={"shape": list(mp.shape)}))
-        for name, t in extra_tensors(engine.module).items():
-            d = os.path.join(partial, "extra", name)
-            os.mkdir(d)
-            write_json(os.path.join(d, "zarr.json"), array_meta(
-                t.numel(), max(1, t.numel()), ZARR_DTYPES[t.dtype],
-                attributes={"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}))
+        for d in metadata:
+            os.mkdir(os.path.join(partial, d))
+
+    # Group and array metadata: the directories now (every rank writes chunks into them), the zarr.json
+    # files on a thread of rank 0 while the chunk writes run.
+    metadata = {state: group_meta() for state in STATES + ("extra", "ranks")}
+    for mp in store.params:
+        for state in STATES:
+            metadata[os.path.join(state, mp.name)] = array_meta(mp.numel, mp.part, attributes={"shape": list(mp.shape)})
+    for name, t in extra_tensors(engine.module).items():
+        metadata[os.path.join("extra", name)] = array_meta(
+            t.numel(), max(1, t.numel()), ZARR_DTYPES[t.dtype],
+            attributes={"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")})
 
     together(comm, "preparation", prepare, discard)
     crash_point("prepared")
@@ -209,9 +209,10 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
         write_json(os.path.join(partial, "ranks", str(rank), "zarr.json"),
                    group_meta({"rng": rng, "rng_crc32c": crc_of(rng)}))
         io = open_io(engine.config, partial)
+        meta_writer = MetadataWriter(partial, metadata) if rank == 0 else None
+        w = ChunkWriter(io)  # one window for all groups: its cap bounds the open files
         try:
             def use(g, p, m, v):
-                w = ChunkWriter(io)
                 try:
                     for mp, off in zip(g.params, g.offsets):
                         if rank * mp.part >= mp.numel:  # this rank's shard is all padding: no chunk
@@ -225,19 +226,27 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
                         pass
                     raise
                 crash_point("group")
-                return w.finish
+                mark = w.mark()
+                return lambda: w.wait_upto(mark)
 
             opt.export_state(use)
             if rank == 0:
-                w = ChunkWriter(io)
                 for name, t in extra_tensors(engine.module).items():
                     if t.numel():
                         flat = t.reshape(-1).cpu().contiguous()
                         w.write(chunk_path(partial, "extra", name, 0),
                                 flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat)
-                w.finish()
+            w.finish()
+        except BaseException:
+            try:
+                w.finish()  # nothing may still be writing from the state once we return
+            except BaseException:  # noqa: BLE001 - the first error is the one raised
+                pass
+            raise
         finally:
             io.close()
+            if meta_writer is not None:
+                meta_writer.join(raise_error=sys.exc_info()[0] is None)
         sync_filesystem(partial)
 
     together(comm, "write", write_mine, discard)
@@ -259,6 +268,27 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
 
     together(comm, "commit", commit, discard)
     return final
+
+
+class MetadataWriter(threading.Thread):
+    """Writes the zarr.json of every group and array (rank 0, beside the chunk writes); join() raises its error."""
+
+    def __init__(self, root: str, metadata: dict):
+        super().__init__(name="infinity-checkpoint-metadata", daemon=True)
+        self.root, self.metadata, self.error = root, metadata, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            for d, meta in self.metadata.items():
+                write_json(os.path.join(self.root, d, "zarr.json"), meta)
+        except BaseException as exc:  # noqa: BLE001 - raised by join()
+            self.error = exc
+
+    def join(self, timeout=None, *, raise_error: bool = True) -> None:
+        super().join(timeout)
+        if self.error is not None and raise_error:
+            raise self.error
 
 
 def _read_latest(directory: str) -> str | None:

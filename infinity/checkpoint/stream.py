@@ -7,6 +7,7 @@ bounce buffer for memory that is not O_DIRECT-aligned.
 
 from __future__ import annotations
 
+import collections
 import os
 
 import numpy as np
@@ -39,30 +40,41 @@ class Window:
     `finish()` waits for every request, even after one has failed, and then
     raises the first error: a caller may reuse or release the memory those
     requests read or wrote only once finish() has returned or raised.
+    `wait_upto(mark())` does the same for the requests submitted before the mark.
     """
 
     def __init__(self):
-        self.futures = []
+        self.futures = collections.deque()
         self.first = None
+        self.submitted = 0
+        self.settled = 0
 
     def add(self, submit) -> None:
         while len(self.futures) >= MAX_IN_FLIGHT:
-            self._settle(self.futures.pop(0))
+            self._settle()
         self.futures.append(submit())
+        self.submitted += 1
 
-    def _settle(self, f) -> None:
+    def _settle(self) -> None:
+        f = self.futures.popleft()
+        self.settled += 1
         try:
             f.wait()
         except BaseException as exc:  # noqa: BLE001 - the first error is raised by finish()
             self.first = self.first or exc
 
-    def finish(self) -> None:
-        futures, self.futures = self.futures, []
-        for f in futures:
-            self._settle(f)
+    def mark(self) -> int:
+        return self.submitted
+
+    def wait_upto(self, mark: int) -> None:
+        while self.settled < mark:
+            self._settle()
         first, self.first = self.first, None
         if first is not None:
             raise first
+
+    def finish(self) -> None:
+        self.wait_upto(self.submitted)
 
 
 class ChunkWriter(Window):
@@ -117,7 +129,8 @@ class ChunkReader:
             for k in range(min(DEPTH, len(pieces))):
                 window.add(self._reader(chunks, pieces[k], k))
             for k, (i, off, n) in enumerate(pieces):
-                window.futures.pop(0).wait()
+                window.futures.popleft().wait()
+                window.settled += 1
                 crcs[i] = crc32c(self._stage[k % DEPTH], n, crcs[i])
                 if k + DEPTH < len(pieces):
                     window.add(self._reader(chunks, pieces[k + DEPTH], k + DEPTH))

@@ -289,18 +289,22 @@ class ShardedAdam(torch.optim.Optimizer):
 
         `use` returns a function that waits until it is done with the views
         (its writes have landed); if `use` raises, it must have waited for
-        whatever it started. On NVMe the next group is read while the
+        whatever it started. RAM state is waited for at the end (it does not
+        move), so writes of consecutive groups overlap. On NVMe the next group is read while the
         previous one's writes are in flight, so up to three pool buffers are
         held (two being written, one being read). State on an accelerator
         is copied one parameter at a time. Nothing here changes the state.
         """
         if self.swapper is None:
+            waits = []
             for g in self.groups:
                 if g.master.device.type == "cpu":
-                    use(g, g.master, g.exp_avg, g.exp_avg_sq)()
+                    waits.append(use(g, g.master, g.exp_avg, g.exp_avg_sq))
                 else:  # one parameter's shard at a time, so the staging copy is bounded by the largest shard
                     for sub, lo, hi in _per_param(g):
                         use(sub, g.master[lo:hi].cpu(), g.exp_avg[lo:hi].cpu(), g.exp_avg_sq[lo:hi].cpu())()
+            for w in waits:
+                w()
             return
         sw, ids = self.swapper.swapper, self.swapper.ids
         inflight: list = []  # [id, wait] of groups whose buffers are held (swapped in, maybe being written)
