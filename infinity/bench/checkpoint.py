@@ -1,11 +1,12 @@
 """`infinity bench checkpoint`: save and load GB/s of an NVMe-offloaded model, beside fio on the same disk.
 
-One engine (the repo's GPT, parameters and optimizer on NVMe) takes a
-training step, then for --rounds rounds: fio's sequential write and read of
-a 1 GiB file (O_DIRECT, the config's block size and queue depth), our save
-(the same tag each round, so rounds after the first replace a checkpoint),
-and our load with and without the verification pass (see [Note: verify
-before load]). fio and ours alternate which goes first. The median of each
+One engine (the repo's GPT, parameters and optimizer on NVMe, or in RAM
+with --offload ram) takes a training step, then for --rounds rounds: fio's
+sequential writes (to a new file, then overwriting) and read of a 1 GiB
+file (O_DIRECT, the config's block size and queue depth), our save (a new
+tag each round; the previous round's checkpoint is removed untimed), and
+our load with and without the verification pass (see [Note: verify before
+load]). fio and ours alternate which goes first. The median of each
 is reported as GB/s of checkpoint bytes (12 per parameter plus CRCs and
 metadata), and against fio as time / bound, the bound being the time fio's
 read and write rates need for every byte the operation moved: a save also
@@ -46,11 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
-def run(args) -> int:
+def trained_engine(work: str, *, layers: int, dim: int, vocab: int, precision: str, offload: str, seq: int = 128):
+    """The bench's GPT (bench train's config: parameters and optimizer on NVMe under `work`, or in RAM) after one
+    training step, so that Adam's moments are real."""
     import torch
 
     from infinity.bench.train import config
@@ -58,6 +57,30 @@ def run(args) -> int:
     from infinity.models import GPT
     from infinity.testing.parity import batch
 
+    shape = SimpleNamespace(vocab=vocab, seq=seq, layers=layers, dim=dim, heads=8, batch=2, precision=precision)
+    model_cfg, cfg = config(shape, offload, work)
+    if offload == "ram":
+        for k in ("offload_param", "offload_optimizer"):
+            cfg["zero_optimization"][k] = {"device": "cpu"}
+    torch.manual_seed(0)
+    with zero_init(cfg):
+        model = GPT(model_cfg)
+    engine = initialize(model, cfg)
+    try:
+        x, y = batch(0, size=2, model=model_cfg)
+        engine.backward(engine(x, y))
+        engine.step()
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def run(args) -> int:
     if args.rounds < 1:
         raise ValueError(f"bench checkpoint: --rounds must be >= 1, got {args.rounds}")
     base = args.dir or "/var/tmp"
@@ -65,20 +88,9 @@ def run(args) -> int:
         raise FileNotFoundError(f"bench checkpoint: --dir {base} does not exist")
     work = tempfile.mkdtemp(prefix="infinity-bench-ckpt-", dir=base)
     try:
-        shape = SimpleNamespace(vocab=args.vocab, seq=128, layers=args.layers, dim=args.dim, heads=8, batch=2,
-                                precision=args.precision)
-        model_cfg, cfg = config(shape, args.offload, work)
-        if args.offload == "ram":
-            for k in ("offload_param", "offload_optimizer"):
-                cfg["zero_optimization"][k] = {"device": "cpu"}
-        torch.manual_seed(0)
-        with zero_init(cfg):
-            model = GPT(model_cfg)
-        engine = initialize(model, cfg)
+        engine = trained_engine(work, layers=args.layers, dim=args.dim, vocab=args.vocab, precision=args.precision,
+                                offload=args.offload)
         try:
-            x, y = batch(0, size=2, model=model_cfg)
-            engine.backward(engine(x, y))
-            engine.step()
             numel = sum(mp.numel for mp in engine.store.params)
             aio = engine.config.aio
             from infinity.checkpoint.stream import open_io

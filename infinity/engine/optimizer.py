@@ -38,6 +38,7 @@ from infinity.engine.comm import Comm
 from infinity.engine.params import ParamStore
 from infinity.optim import cpu_adam_step, grads_finite
 from infinity.swap.registry import Residency
+from infinity.swap.swapper import wait_all
 from infinity.swap.telemetry import StepStats
 
 
@@ -389,15 +390,13 @@ class ShardedAdam(torch.optim.Optimizer):
                         if sw.registry[ids[i]].buffer is not buf:  # the swapper did not take it over
                             sw.pool.release(buf)
                         raise
-            finally:
-                first = None
-                for w in writes:
-                    try:
-                        w.wait()
-                    except BaseException as exc:  # noqa: BLE001
-                        first = first or exc
-                if first is not None:
-                    raise first
+            except BaseException:
+                try:
+                    wait_all(writes)  # no buffer may be reused while a write still reads it
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
+                raise
+            wait_all(writes)
         self._flush()
         if refresh:
             self.store.refresh_persistent()

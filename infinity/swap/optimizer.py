@@ -15,7 +15,7 @@ import time
 import torch
 
 from infinity.optim import cpu_adam_step, grads_finite
-from infinity.swap.swapper import TensorSwapper
+from infinity.swap.swapper import TensorSwapper, wait_all
 from infinity.swap.telemetry import StepStats, Trace
 
 
@@ -165,15 +165,10 @@ class OptimizerSwapper:
         writes, self._writes = self._writes, []
         reads, self._reads = self._reads, {}
         self._abandon(reads, [])
-        first = None
-        for w in writes:
-            try:
-                w.wait()
-            except BaseException as exc:  # noqa: BLE001
-                first = first or exc
-        stats.io_wait_s += time.perf_counter() - t0
-        if first is not None:
-            raise first
+        try:
+            wait_all(writes)
+        finally:
+            stats.io_wait_s += time.perf_counter() - t0
 
     def _abandon(self, reads: dict, writes: list) -> None:
         """After a failure: let in-flight swaps finish and hand every buffer back."""

@@ -80,6 +80,18 @@ class SwapFuture:
         return self._value
 
 
+def wait_all(futures) -> None:
+    """Wait for every future, even after one has failed; then raise the first error."""
+    first = None
+    for f in futures:
+        try:
+            f.wait()
+        except BaseException as exc:  # noqa: BLE001 - the first error is raised below
+            first = first or exc
+    if first is not None:
+        raise first
+
+
 class TensorSwapper:
     """Swap partitions in and out of files under `directory`, through `pool`."""
 

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from infinity.testing.parity import MODEL, batch, free_port
+from infinity.testing.parity import MODEL, batch, free_port, gloo_rank
 
 
 def train(cfg: dict, steps: int, *, start: int = 0, load: str | None = None, load_tag: str | None = None,
@@ -64,18 +64,10 @@ def train(cfg: dict, steps: int, *, start: int = 0, load: str | None = None, loa
 
 
 def _rank_main(rank: int, world: int, port: int, cfg: dict, steps: int, out_path: str, kwargs: dict) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
+    with gloo_rank(rank, world, port):
         out = train(cfg, steps, **kwargs)
         if rank == 0:
             torch.save(out, out_path)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def spawn_train(world: int, cfg: dict, steps: int, out_path: str, **kwargs) -> dict:
@@ -89,17 +81,19 @@ def spawn_train(world: int, cfg: dict, steps: int, out_path: str, **kwargs) -> d
 def _dying_save_main(rank: int, world: int, port: int, cfg: dict, ck: str, out_path: str) -> None:
     """Both ranks train a step and save s1; then rank 1 is SIGKILLed in the middle of saving s2.
     Rank 0 records how its save ended and how long that took."""
-    import time
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     from infinity.engine import initialize, zero_init
     from infinity.models import GPT
 
-    with zero_init(cfg):
-        m = GPT(MODEL)
-    engine = initialize(m, cfg)
+    with gloo_rank(rank, world, port):  # left by os._exit below, as a dying process would
+        with zero_init(cfg):
+            m = GPT(MODEL)
+        engine = initialize(m, cfg)
+        _dying_save(engine, rank, world, ck, out_path)
+
+
+def _dying_save(engine, rank: int, world: int, ck: str, out_path: str) -> None:
+    import time
+
     x, y = batch(0)
     engine.backward(engine(x[rank::world], y[rank::world]))
     engine.step()

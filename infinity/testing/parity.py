@@ -8,6 +8,7 @@ rank, sees the same global batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -112,20 +113,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: dict, steps: int, out_path: str, kwargs: dict) -> None:
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int):
+    """Run the block as rank `rank` of `world` (the environment torchrun would set; 127.0.0.1, gloo), one
+    thread for torch; the process group, if the block made one, is destroyed after."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _rank_main(rank: int, world: int, port: int, cfg: dict, steps: int, out_path: str, kwargs: dict) -> None:
+    with gloo_rank(rank, world, port):
         losses = engine_losses(cfg, steps, **kwargs)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(losses, f)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def spawn_losses(world: int, cfg: dict, steps: int, out_path: str, **kwargs) -> list[float]:

@@ -202,28 +202,15 @@ def _param_shapes():
 def test_save_and_load_memory_stays_near_the_pools(disk_dir):
     """Saving and loading a model whose state is ~10x the allowance grows RSS by a small constant only:
     the state streams through the swap pools the engine already holds (see infinity/checkpoint/save.py)."""
-    from types import SimpleNamespace
+    from infinity.bench.checkpoint import _ours, trained_engine
 
-    from infinity.bench.checkpoint import _ours
-    from infinity.bench.train import config as bench_config
-    from infinity.engine import initialize, zero_init
-    from infinity.models import GPT
-    from infinity.testing.parity import batch
-
-    shape = SimpleNamespace(vocab=8192, seq=64, layers=4, dim=512, heads=8, batch=2, precision="bf16")
-    model_cfg, cfg = bench_config(shape, "nvme", str(disk_dir))
-    torch.manual_seed(0)
-    with zero_init(cfg):
-        m = GPT(model_cfg)
-    e = initialize(m, cfg)
+    e = trained_engine(str(disk_dir), layers=4, dim=512, vocab=8192, precision="bf16", offload="nvme", seq=64)
     try:
-        x, y = batch(0, size=2, model=model_cfg)
-        e.backward(e(x, y))
-        e.step()
+        numel = sum(mp.numel for mp in e.store.params)
         r = _ours(e, str(disk_dir / "ck"), "t")
     finally:
         e.close()
-    state = 12 * sum(p.numel() for p in GPT(model_cfg).parameters())
+    state = 12 * numel
     allowance = 64 << 20
     assert state > 3 * allowance
     assert r["checkpoint_bytes"] > state
