@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from infinity.testing.parity import MODEL, batch, free_port, gloo_rank
+from infinity.testing.parity import MODEL, batch, free_port, gloo_rank, train_step
 
 
 def train(cfg: dict, steps: int, *, start: int = 0, load: str | None = None, load_tag: str | None = None,
@@ -31,25 +31,13 @@ def train(cfg: dict, steps: int, *, start: int = 0, load: str | None = None, loa
     with zero_init(cfg):
         m = GPT(model)
     engine = initialize(m, cfg)
-    rank, world = engine.rank, engine.world_size
     out = {"losses": [], "client_state": None}
     try:
         if load is not None:
             _, out["client_state"] = engine.load_checkpoint(load, load_tag)
             assert out["client_state"]["next_step"] == start, out["client_state"]
         for s in range(start, start + steps):
-            x, y = batch(s, model=model)
-            per = x.shape[0] // (world * gas)
-            total = 0.0
-            for micro in range(gas):
-                lo = (micro * world + rank) * per
-                loss = engine(x[lo:lo + per], y[lo:lo + per])
-                engine.backward(loss)
-                total += loss.item() / gas
-            engine.step()
-            t = torch.tensor([total])
-            engine.comm.all_reduce_(t)
-            out["losses"].append(t.item() / world)
+            out["losses"].append(train_step(engine, s, model=model, gas=gas))
             if save_every:
                 if crash_at is not None and s == start + steps - 1:
                     os.environ["INFINITY_CHECKPOINT_CRASH_AT"] = crash_at

@@ -82,29 +82,34 @@ def engine_losses(cfg: dict, steps: int, *, model: GPTConfig = MODEL, use_zero_i
     else:
         m = GPT(model)
     engine = initialize(m, cfg)
-    rank, world = engine.rank, engine.world_size
     out = []
     try:
         for s in range(steps):
-            x, y = batch(s, model=model)
-            per = x.shape[0] // (world * gas)
-            total = 0.0
-            for micro in range(gas):
-                lo = (micro * world + rank) * per
-                loss = engine(x[lo:lo + per], y[lo:lo + per])
-                if overflow_at == s:
-                    loss = loss * float("inf")
-                engine.backward(loss)
-                total += loss.item() / gas
-            engine.step()
-            t = torch.tensor([total])
-            engine.comm.all_reduce_(t)
-            out.append(t.item() / world)
+            out.append(train_step(engine, s, model=model, gas=gas, overflow=overflow_at == s))
             if reports is not None:
                 reports.append(engine.last_report)
     finally:
         engine.close()
     return out
+
+
+def train_step(engine, s: int, *, model: GPTConfig = MODEL, gas: int = 1, overflow: bool = False) -> float:
+    """Optimizer step s on the global batch(s), each rank on its slice of each micro-batch; the global mean loss."""
+    rank, world = engine.rank, engine.world_size
+    x, y = batch(s, model=model)
+    per = x.shape[0] // (world * gas)
+    total = 0.0
+    for micro in range(gas):
+        lo = (micro * world + rank) * per
+        loss = engine(x[lo:lo + per], y[lo:lo + per])
+        if overflow:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        total += loss.item() / gas
+    engine.step()
+    t = torch.tensor([total])
+    engine.comm.all_reduce_(t)
+    return t.item() / world
 
 
 def free_port() -> int:
