@@ -18,9 +18,24 @@ import torch
 from infinity.testing.parity import MODEL, batch, free_port, gloo_rank, train_step
 
 
+class Tiny(torch.nn.Module):
+    """A model whose parameters are smaller than the world: `gain` (one element) leaves rank 1 of 2 nothing
+    but padding, and the bias (5) leaves it 2 values and a pad."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(MODEL.vocab, 3)
+        self.lin = torch.nn.Linear(3, 5)
+        self.gain = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x, y):
+        logits = self.lin(self.emb(x)) * self.gain
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 5), y.reshape(-1) % 5)
+
+
 def train(cfg: dict, steps: int, *, start: int = 0, load: str | None = None, load_tag: str | None = None,
           save: str | None = None, save_tag: str | None = None, save_every: bool = False, crash_at: str | None = None,
-          model=MODEL, gas: int = 1) -> dict:
+          model=MODEL, gas: int = 1, net: str = "gpt") -> dict:
     """Train steps [start, start+steps) (after loading `load`); returns losses and the full fp32 weights."""
     from infinity.engine import gathered_parameters, initialize, zero_init
     from infinity.models import GPT
@@ -29,7 +44,7 @@ def train(cfg: dict, steps: int, *, start: int = 0, load: str | None = None, loa
     cfg["gradient_accumulation_steps"] = gas
     torch.manual_seed(0)
     with zero_init(cfg):
-        m = GPT(model)
+        m = GPT(model) if net == "gpt" else Tiny()
     engine = initialize(m, cfg)
     out = {"losses": [], "client_state": None}
     try:

@@ -281,3 +281,22 @@ def test_scheduler_state_that_json_cannot_carry_round_trips(disk_dir):
     finally:
         a.close()
         b.close()
+
+
+def test_parameters_smaller_than_the_world_reshard(disk_dir):
+    """A 1-element parameter (rank 1 of 2 owns only padding, so writes no chunk) and a 5-element one: 2 -> 1
+    and 1 -> 2 give the saved weights, and zarr reads the one-chunk array."""
+    import zarr
+
+    cfg = config("cpu", "fp32", disk_dir)
+    two = spawn_train(2, cfg, 2, str(disk_dir / "two.pt"), save=str(disk_dir / "w2"), net="tiny")
+    assert not (disk_dir / "w2" / "global_step2" / "master" / "gain" / "c.1").exists()
+    one = train(cfg, 0, start=2, load=str(disk_dir / "w2"), net="tiny")
+    assert_same_weights(one["weights"], two["weights"])
+    group = zarr.open_group(str(disk_dir / "w2" / "global_step2"), mode="r")
+    assert float(group["master"]["gain"][0]) == two["weights"]["gain"].item()
+    np.testing.assert_array_equal(group["master"]["lin.bias"][:], two["weights"]["lin.bias"].numpy())
+    train(cfg, 1, start=2, load=str(disk_dir / "w2"), save=str(disk_dir / "w1"), net="tiny")
+    back = spawn_train(2, cfg, 0, str(disk_dir / "back.pt"), start=3, load=str(disk_dir / "w1"), net="tiny")
+    again = train(cfg, 0, start=3, load=str(disk_dir / "w1"), net="tiny")
+    assert_same_weights(back["weights"], again["weights"])
