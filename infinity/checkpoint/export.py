@@ -20,7 +20,9 @@ import numpy as np
 import torch
 
 from infinity.checkpoint.layout import STATES, CheckpointCorruptionError, CheckpointError, chunk_path, fsync_dir
-from infinity.checkpoint.load import _TORCH_DTYPES, resolve
+from infinity.checkpoint.load import resolve
+from infinity.checkpoint.stream import ChunkReader
+from infinity.dtypes import BY_NAME
 from infinity.swap.checksum import crc32c
 
 PIECE = 16 << 20
@@ -42,7 +44,7 @@ def entries(m: dict, state: str = "master"):
     for alias, name in m.get("aliases", {}).items():
         out[alias] = out[name]
     for e in m.get("extras", []):
-        dtype = _TORCH_DTYPES[e["dtype"]]
+        dtype = BY_NAME[e["dtype"]]
         n = int(np.prod(e["shape"], dtype=np.int64)) * dtype.itemsize
         out[e["name"]] = (e["shape"], dtype, [(("extra", "extra", e["name"], 0), n, n)] if n else [])
     # By falling element size (stable): every tensor then starts aligned to its own element size, since the
@@ -57,22 +59,15 @@ def all_chunks(root: str, m: dict):
             for c in range(-(-p["numel"] // p["part"])):
                 yield chunk_path(root, state, p["name"], c), 4 * p["part"], f"{state} of parameter {p['name']}"
     for e in m.get("extras", []):
-        n = int(np.prod(e["shape"], dtype=np.int64)) * _TORCH_DTYPES[e["dtype"]].itemsize
+        n = int(np.prod(e["shape"], dtype=np.int64)) * BY_NAME[e["dtype"]].itemsize
         if n:
             yield chunk_path(root, "extra", e["name"], 0), n, f"buffer {e['name']}"
 
 
 def stream_chunk(path: str, nbytes: int, keep: int, sink, stage: torch.Tensor, what: str) -> None:
     """Read a chunk file in pieces, pass its first `keep` value bytes to sink, and check its CRC-32C."""
-    try:
-        f = open(path, "rb", buffering=0)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint is partial: chunk file {path} of {what} is missing") from None
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size != nbytes + 4:
-            raise CheckpointError(f"checkpoint is partial: chunk file {path} of {what} has {size} bytes, expected "
-                                  f"{nbytes + 4}")
+    ChunkReader.check_size(path, nbytes, what)
+    with open(path, "rb", buffering=0) as f:
         mv = memoryview(stage.numpy())
         crc, off = 0, 0
         while off < nbytes:

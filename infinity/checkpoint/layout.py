@@ -111,6 +111,29 @@ def write_json(path: str, obj: dict) -> None:
         f.write(json.dumps(obj, indent=1, allow_nan=False).encode())
 
 
+def read_latest(directory: str) -> str | None:
+    """What DIR/latest holds (stripped; undecodable bytes replaced), or None when there is none."""
+    try:
+        with open(os.path.join(directory, LATEST), "rb") as f:
+            return f.read().decode(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+
+
+def write_latest(directory: str, tag: str) -> None:
+    """Point DIR/latest at tag, crash-atomically: temp file, fsync, rename, fsync of DIR."""
+    path = os.path.join(directory, LATEST)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, (tag + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(directory)
+
+
 def read_json(path: str) -> dict:
     with open(path, "rb") as f:
         return json.loads(f.read())

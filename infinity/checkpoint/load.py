@@ -27,13 +27,10 @@ import numpy as np
 import torch
 
 from infinity.checkpoint.layout import (FORMAT, LATEST, STATES, VERSION, CheckpointError, check_tag, chunk_path,
-                                        crc_of, partial_dir, read_json)
-from infinity.checkpoint.save import extra_tensors, together
+                                        crc_of, partial_dir, read_json, read_latest)
+from infinity.checkpoint.save import extra_tensors, rng_state, together
 from infinity.checkpoint.stream import ChunkReader, Window, open_io
-
-_TORCH_DTYPES = {str(d).replace("torch.", ""): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool)}
+from infinity.dtypes import BY_NAME
 
 
 def resolve(directory, tag: str | None = None) -> tuple[str, dict]:
@@ -44,13 +41,12 @@ def resolve(directory, tag: str | None = None) -> tuple[str, dict]:
             "it is not a directory" if os.path.exists(directory) else "no such directory"))
     if tag is None:
         latest = os.path.join(directory, LATEST)
-        if not os.path.exists(latest):
+        tag = read_latest(directory)
+        if tag is None:
             partials = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, ".*.partial")))
             raise CheckpointError(f"no checkpoint in {directory}: it has no '{LATEST}' file" + (
                 f" (only the interrupted save(s) {partials})" if partials else "") + "; pass tag= to load a "
                 "specific one")
-        with open(latest, "rb") as f:
-            tag = f.read().decode(errors="replace").strip()
         try:
             check_tag(tag)
         except ValueError:
@@ -179,7 +175,7 @@ def _verify(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
     for e in m.get("extras", []):
         n = int(np.prod(e["shape"], dtype=np.int64))
         if n:
-            chunks[chunk_path(root, "extra", e["name"], 0)] = (n * _TORCH_DTYPES[e["dtype"]].itemsize,
+            chunks[chunk_path(root, "extra", e["name"], 0)] = (n * BY_NAME[e["dtype"]].itemsize,
                                                                f"buffer {e['name']}")
     reader.verify((path, n, what) for path, (n, what) in chunks.items())
 
@@ -211,7 +207,7 @@ def _load(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
         t = current.get(e["name"])
         if t is None or not t.numel():
             continue
-        tmp = torch.empty(t.numel(), dtype=_TORCH_DTYPES[e["dtype"]])
+        tmp = torch.empty(t.numel(), dtype=BY_NAME[e["dtype"]])
         window = Window()
         reader.read_into(window, tmp.view(torch.uint8), chunk_path(root, "extra", e["name"], 0), 0)
         window.finish()
@@ -316,7 +312,7 @@ def _read_rng(path: str, root: str) -> dict:
         raise CheckpointError(f"checkpoint {root} is corrupted: {path} is unreadable ({exc})") from None
     if not ok:
         raise CheckpointError(f"checkpoint {root} is corrupted: {path} does not match the CRC-32C stored with it")
-    old = _current_rng()
+    old = rng_state()
     try:
         restore_rng(rng)
     except Exception as exc:  # noqa: BLE001
@@ -324,12 +320,6 @@ def _read_rng(path: str, root: str) -> dict:
     finally:
         restore_rng(old)
     return rng
-
-
-def _current_rng() -> dict:
-    from infinity.checkpoint.save import rng_state
-
-    return rng_state()
 
 
 def restore_rng(state: dict) -> None:

@@ -28,10 +28,11 @@ import time
 import numpy as np
 import torch
 
-from infinity.checkpoint.layout import (FORMAT, LATEST, PARTIAL_SUFFIX, STATES, VERSION, CheckpointError, array_meta,
-                                        check_tag, chunk_path, crc_of, default_tag, exchange_or_rename, fsync_dir,
-                                        group_meta, partial_dir, sync_filesystem, write_json)
+from infinity.checkpoint.layout import (FORMAT, PARTIAL_SUFFIX, STATES, VERSION, CheckpointError, array_meta, check_tag,
+                                        chunk_path, crc_of, default_tag, exchange_or_rename, fsync_dir, group_meta,
+                                        partial_dir, read_latest, sync_filesystem, write_json, write_latest)
 from infinity.checkpoint.stream import ChunkWriter, open_io
+from infinity.dtypes import name_of
 from infinity.engine.params import managed
 
 # zarr v3 has no bfloat16: such arrays are stored as uint16 with the real dtype in their attributes.
@@ -127,11 +128,11 @@ def manifest(engine, tag: str, client_state) -> dict:
     return {
         "format": FORMAT, "version": VERSION, "complete": True, "tag": tag, "world_size": engine.comm.world,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "compute_dtype": str(store.dtype).replace("torch.", ""), "states": list(STATES),
+        "compute_dtype": name_of(store.dtype), "states": list(STATES),
         "params": [{"name": mp.name, "shape": list(mp.shape), "numel": mp.numel, "part": mp.part}
                    for mp in store.params],
         "aliases": aliases(engine.module),
-        "extras": [{"name": k, "shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+        "extras": [{"name": k, "shape": list(v.shape), "dtype": name_of(v.dtype)}
                    for k, v in extras.items()],
         "engine": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
                    "micro_steps": engine.micro_steps, "optimizer_steps": opt.step_count,
@@ -198,7 +199,7 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
     for name, t in extra_tensors(engine.module).items():
         metadata[os.path.join("extra", name)] = array_meta(
             t.numel(), max(1, t.numel()), ZARR_DTYPES[t.dtype],
-            attributes={"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")})
+            attributes={"shape": list(t.shape), "dtype": name_of(t.dtype)})
 
     together(comm, "preparation", prepare, discard)
     crash_point("prepared")
@@ -259,10 +260,10 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
                                                                    "infinity_checkpoint_crc32c": meta_crc}))
         sync_filesystem(partial)
         crash_point("marked")
-        exchanged = exchange_or_rename(partial, final, dst_is_latest=_read_latest(directory) == tag)
+        exchanged = exchange_or_rename(partial, final, dst_is_latest=read_latest(directory) == tag)
         fsync_dir(directory)
         crash_point("renamed")
-        _write_latest(directory, tag)
+        write_latest(directory, tag)
         if exchanged:  # `partial` now holds the checkpoint this one replaced
             shutil.rmtree(partial, ignore_errors=True)
 
@@ -291,22 +292,3 @@ class MetadataWriter(threading.Thread):
             raise self.error
 
 
-def _read_latest(directory: str) -> str | None:
-    try:
-        with open(os.path.join(directory, LATEST)) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return None
-
-
-def _write_latest(directory: str, tag: str) -> None:
-    path = os.path.join(directory, LATEST)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, (tag + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(directory)

@@ -40,6 +40,7 @@ import warnings
 
 import torch
 
+from infinity.dtypes import BY_NAME, name_of
 from infinity.errors import SwapCorruptionError
 from infinity.io import AsyncIO, aligned_empty
 from infinity.swap.checksum import crc32c
@@ -49,8 +50,6 @@ from infinity.swap.registry import Partition, Registry, Residency, Tier
 HEADER = 4096
 _CLAIMED: set = set()  # rank directories claimed by swappers of this process
 _CLAIMED_LOCK = threading.Lock()
-_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                     torch.int64, torch.int32, torch.uint8)}
 
 
 class SwapFuture:
@@ -175,9 +174,9 @@ class TensorSwapper:
         try:
             with open(path, "rb") as f:
                 head = json.loads(f.read(HEADER).decode("utf-8"))
-            if head.get("magic") != "infinity-swap" or head.get("dtype") not in _DTYPES:
+            if head.get("magic") != "infinity-swap" or head.get("dtype") not in BY_NAME:
                 return False
-            self.registry.register(head["id"], dtype=_DTYPES[head["dtype"]], numel=int(head["numel"]),
+            self.registry.register(head["id"], dtype=BY_NAME[head["dtype"]], numel=int(head["numel"]),
                                    owner_rank=self.rank, home=Tier.NVME)
             self._crc[head["id"]] = head.get("crc32c")
             return True
@@ -449,7 +448,7 @@ class TensorSwapper:
 
 def _header_text(part: Partition, crc) -> bytes:
     text = json.dumps({"magic": "infinity-swap", "version": 1, "id": part.id,
-                       "dtype": str(part.dtype).replace("torch.", ""), "numel": part.numel, "nbytes": part.nbytes,
+                       "dtype": name_of(part.dtype), "numel": part.numel, "nbytes": part.nbytes,
                        "crc32c": crc}).encode()
     if len(text) > HEADER:
         raise ValueError(f"partition id {part.id!r} is too long for the swap-file header")
