@@ -60,6 +60,10 @@ def test_train_saves_and_resumes_bit_exactly(tmp_path, disk_dir):
     assert "resumed from" in second.stdout and "at step 2" in second.stdout
     losses = [r["loss"] for r in read_metrics(tmp_path / "a") + read_metrics(tmp_path / "b")]
     assert losses == [r["loss"] for r in read_metrics(tmp_path / "full")]
+    other = train(*common, "--steps", "6", "--seq", "16", "--save-dir", str(tmp_path / "ck"), "--resume",
+                  "--out", str(tmp_path / "c"))
+    assert other.returncode == 2
+    assert "was saved by a run with --model gpt-tiny and --seq" in other.stderr and "--seq 16" in other.stderr
 
 
 @pytest.mark.parametrize("args,message", [

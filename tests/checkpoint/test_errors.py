@@ -294,3 +294,42 @@ def test_leftovers_of_killed_saves_are_removed_by_the_next_save(saved):
     (ck / ".other.partial").mkdir()
     e.save_checkpoint(ck, "next")
     assert sorted(os.listdir(ck)) == ["global_step1", "latest", "next"]
+
+
+def _rewrite_manifest(root, change):
+    """Edit a checkpoint's manifest and store its matching CRC, as a writer with other ideas would."""
+    import json
+
+    from infinity.checkpoint.layout import crc_of
+
+    path = root / "zarr.json"
+    meta = json.loads(path.read_text())
+    change(meta["attributes"]["infinity_checkpoint"])
+    meta["attributes"]["infinity_checkpoint_crc32c"] = crc_of(meta["attributes"]["infinity_checkpoint"])
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (lambda m: m.update(version=99), "has format version 99; this infinity reads up to 1: upgrade infinity"),
+    (lambda m: m.update(complete=False), "is partial: its manifest is not marked complete"),
+    (lambda m: m["engine"].pop("global_steps"), "is corrupted: its manifest's engine state is unusable"),
+    (lambda m: m["engine"]["loss_scaler"].update(bogus=1), r"unknown loss scaler fields \['bogus'\]"),
+])
+def test_manifests_that_cannot_be_used(saved, change, pattern):
+    e, ck = saved
+    snap = _snapshot(e)
+    _rewrite_manifest(ck / "global_step1", change)
+    with pytest.raises(CheckpointError, match=pattern):
+        e.load_checkpoint(ck)
+    _assert_unchanged(e, snap)
+
+
+def test_more_argument_errors(saved, tmp_path):
+    e, ck = saved
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match="no checkpoint at .*afile: it is not a directory"):
+        e.load_checkpoint(tmp_path / "afile")
+    with pytest.raises(TypeError, match="client_state does not survive a JSON round trip unchanged"):
+        e.save_checkpoint(ck, client_state={1: "int keys become str"})
+    with pytest.raises(FileNotFoundError, match="the directory of .*out.pt does not exist"):
+        export(ck, tmp_path / "missing" / "out.pt")
