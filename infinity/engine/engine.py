@@ -16,6 +16,7 @@ import torch
 
 from infinity.config import Config
 from infinity.engine.build import as_config, build_store
+from infinity.engine.construct import end_access
 from infinity.engine.comm import init_distributed
 from infinity.engine.hooks import ParamHooks
 from infinity.engine.loss_scaler import LossScaler
@@ -259,9 +260,13 @@ def _cast_floats(obj, dtype, device):
 def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_scheduler=None) -> Engine:
     """Partition `model` (if zero_init has not), build the optimizer, install the hooks; returns the Engine.
 
-    `model_parameters`, when given, must be the model's parameters (DeepSpeed's
-    argument; every trainable parameter is optimized either way).
-    `lr_scheduler` is a torch lr scheduler or a function optimizer -> scheduler.
+    `model_parameters` is what torch.optim takes: an iterable of the model's
+    parameters, or of group dicts (`params`, and optionally `lr`,
+    `weight_decay`, `betas`, `eps`) whose hyper-parameters override the
+    config's optimizer section. Only those parameters are trained (see
+    [Note: parameter groups] in optimizer.py); None means every parameter
+    that requires grad. `lr_scheduler` is a torch lr scheduler or a function
+    optimizer -> scheduler.
     """
     from infinity.swap import SwapContext
 
@@ -271,20 +276,29 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     store = next((managed(p).extra["store"] for p in model.parameters() if managed(p) is not None), None)
     if store is None:
         store = current_store() or build_store(cfg, comm)
-    if model_parameters is not None:
-        ids = {id(p) for p in model.parameters()}
-        stray = [p for p in model_parameters if id(p) not in ids]
-        if stray:
-            raise ValueError(f"infinity.initialize: {len(stray)} of model_parameters are not parameters of the model")
+    groups = param_groups(model, model_parameters)
+    trained = {id(p) for g in groups for p in g["params"]}
+    for name, p in reversed(list(model.named_parameters())):  # full names in messages from here on
+        if managed(p) is not None:
+            managed(p).name = name
+    # Construction is over: what user code left staged or reassigned becomes shards, persistent parameters'
+    # shards catch up with their full values, and the access mode ends (see [Note: partitioned access]).
+    store.settle_staged()
+    store.adopt_reassigned(store.params)
+    store.sync_persistent()
+    end_access(store)
     names = {}
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
         if managed(p) is None:
-            if p.requires_grad:
+            if id(p) in trained:
                 store.adopt(p, name)
         else:
             managed(p).name = name
     store.retain({id(p) for p in model.parameters()})
+    for mp in store.params:
+        if id(mp.param) not in trained:
+            store.freeze(mp)
     for module in model.modules():  # buffers go to the compute device; parameters stay placeholders
         for key, b in module._buffers.items():
             if b is not None:
@@ -292,9 +306,10 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     opt_swap = None
     try:
         if cfg.zero_optimization.offload_optimizer.device == "nvme":
-            sizes = [g.numel for g in ShardedAdam._plan(store.params, cfg.zero_optimization.sub_group_size)]
+            by_group = [[managed(p) for p in g["params"]] for g in groups]
+            sizes = [g.numel for g in ShardedAdam._plan(by_group, cfg.zero_optimization.sub_group_size)]
             opt_swap = SwapContext.for_optimizer(cfg, rank=comm.rank, largest_group_numel=max(sizes, default=1))
-        optimizer = ShardedAdam(store, cfg, comm, swap=opt_swap)
+        optimizer = ShardedAdam(store, cfg, comm, swap=opt_swap, param_groups=groups)
     except BaseException:
         if opt_swap is not None:
             opt_swap.close()
@@ -303,3 +318,53 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     hooks = ParamHooks(store)
     hooks.install(model)
     return Engine(model, cfg, store, optimizer, hooks, lr_scheduler)
+
+
+_GROUP_KEYS = {"params", "lr", "weight_decay", "betas", "eps", "amsgrad", "initial_lr", "name"}
+
+
+def param_groups(model: torch.nn.Module, model_parameters) -> list[dict]:
+    """torch-style parameter groups of `model`'s parameters that require grad, checked.
+
+    Parameters that do not require grad are dropped from the groups (torch's
+    Adam never updates them either); a group left empty stays, so that group
+    indices (and an lr scheduler's) keep meaning what the user wrote.
+    """
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    if isinstance(model_parameters, torch.Tensor):
+        raise TypeError("infinity.initialize: model_parameters must be an iterable of parameters or of group "
+                        "dicts, got a single tensor; pass [tensor] or model.parameters()")
+    items = list(model_parameters)
+    raw = items if items and all(isinstance(g, dict) for g in items) else [{"params": items}]
+    ids = {id(p) for p in model.parameters()}
+    seen: set = set()
+    out = []
+    for k, g in enumerate(raw):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"infinity.initialize: model_parameters[{k}] must be a dict with 'params' when any item is "
+                            "a dict (torch's parameter-group form)")
+        unknown = set(g) - _GROUP_KEYS
+        if unknown:
+            raise ValueError(f"infinity.initialize: parameter group {k} has keys {sorted(unknown)} that Adam does not "
+                             f"take; the keys a group may set are {sorted(_GROUP_KEYS - {'initial_lr', 'name'})}")
+        if g.get("amsgrad"):
+            raise ValueError(f"infinity.initialize: parameter group {k} sets amsgrad=True; AMSGrad is not "
+                             "supported, drop it")
+        params = g["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        stray = [p for p in params if id(p) not in ids]
+        if stray:
+            raise ValueError(f"infinity.initialize: {len(stray)} of model_parameters are not parameters of the model")
+        twice = [p for p in params if id(p) in seen]
+        if twice:
+            raise ValueError(f"infinity.initialize: {len(twice)} parameters appear in more than one parameter group "
+                             "(or twice in one); each parameter may be in one group once")
+        seen.update(id(p) for p in params)
+        group = {key: v for key, v in g.items() if key not in ("params", "amsgrad")}
+        group["params"] = [p for p in params if p.requires_grad]
+        out.append(group)
+    if not any(g["params"] for g in out):
+        raise ValueError("infinity.initialize: no parameter to train (model_parameters is empty, or none of its "
+                         "parameters requires grad)")
+    return out

@@ -24,8 +24,17 @@ stepped (reentrant checkpointing that shares a parameter with code outside
 the checkpoint) is an error. With clipping or fp16, the step runs after
 backward, over all groups, from gradients kept in RAM.
 
-It subclasses torch.optim.Optimizer only so that torch's lr schedulers can
-drive `param_groups[0]["lr"]`; its state lives in the groups, not in `state`.
+[Note: parameter groups]
+`param_groups` are torch's: one dict per group the user passed to
+initialize (`params`, `lr`, `weight_decay`, `betas`, `eps`), so torch's lr
+schedulers drive them as they drive torch.optim.AdamW. Sub-groups are packed
+within one parameter group and never across two, so each sub-group's Adam
+runs with one set of hyper-parameters, read from its parameter group at
+every step. Only the parameters in some group are optimized; the others
+(frozen, or left out) have no master weights, moments or gradient buffer.
+
+It subclasses torch.optim.Optimizer only for `param_groups`; its state lives
+in the sub-groups, not in `state`.
 """
 
 from __future__ import annotations
@@ -44,10 +53,12 @@ from infinity.swap.telemetry import StepStats
 
 class _Group:
     __slots__ = ("index", "params", "offsets", "numel", "grad", "master", "exp_avg", "exp_avg_sq", "waiting",
-                 "stepped")
+                 "stepped", "param_group")
 
-    def __init__(self, index, params):
+    def __init__(self, index, params, param_group: int = 0):
         self.index = index
+        self.param_group = param_group
+        """Index into ShardedAdam.param_groups: whose lr, betas, eps and weight decay this sub-group uses."""
         self.params = params
         self.offsets = []
         off = 0
@@ -61,19 +72,23 @@ class _Group:
 
 
 class ShardedAdam(torch.optim.Optimizer):
-    def __init__(self, store: ParamStore, cfg, comm: Comm, *, swap=None):
+    def __init__(self, store: ParamStore, cfg, comm: Comm, *, swap=None, param_groups: list[dict] | None = None):
+        """param_groups: torch-style groups of the store's trainable parameters (see [Note: parameter
+        groups]); None means one group of all of them. Missing hyper-parameters come from the config."""
         opt = cfg.optimizer
         hp = opt.params
         if hp.amsgrad:
             raise ValueError("optimizer.params.amsgrad: AMSGrad is not supported; set it to false")
-        self.hyper = dict(betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay,
-                          adamw=opt.type == "AdamW" or hp.adam_w_mode, bias_correction=hp.bias_correction)
-        super().__init__([mp.param for mp in store.params], {"lr": hp.lr})
+        self.hyper = dict(adamw=opt.type == "AdamW" or hp.adam_w_mode, bias_correction=hp.bias_correction)
+        if param_groups is None:
+            param_groups = [{"params": [mp.param for mp in store.params if mp.trainable]}]
+        super().__init__(param_groups, {"lr": hp.lr, "betas": tuple(hp.betas), "eps": hp.eps,
+                                        "weight_decay": hp.weight_decay})
         self.store = store
         self.comm = comm
         self.tier = cfg.zero_optimization.offload_optimizer.device
         self.step_count = 0
-        self.groups = self._plan(store.params, cfg.zero_optimization.sub_group_size)
+        self.groups = self._plan(self.managed_groups(), cfg.zero_optimization.sub_group_size)
         self.group_of = {id(mp): g for g in self.groups for mp in g.params}
         self.grad_device = store.device if self.tier == "none" else torch.device("cpu")
         self.lowp = None
@@ -89,18 +104,33 @@ class ShardedAdam(torch.optim.Optimizer):
         store.grad_ready = self.grad_ready
         self._init_state()
 
+    def managed_groups(self) -> list[list]:
+        """The ManagedParams of each parameter group, in registration order."""
+        from infinity.engine.params import managed
+
+        return [[managed(p) for p in pg["params"]] for pg in self.param_groups]
+
     @staticmethod
-    def _plan(params, sub_group_size: int) -> list[_Group]:
-        groups, cur, size = [], [], 0
-        for mp in params:
-            if cur and size + mp.part > sub_group_size:
-                groups.append(_Group(len(groups), cur))
-                cur, size = [], 0
-            cur.append(mp)
-            size += mp.part
-        if cur:
-            groups.append(_Group(len(groups), cur))
+    def _plan(param_groups: list[list], sub_group_size: int) -> list[_Group]:
+        """Pack each parameter group's shards into sub-groups of at most sub_group_size elements."""
+        groups = []
+        for k, params in enumerate(param_groups):
+            cur, size = [], 0
+            for mp in sorted(params, key=lambda mp: mp.index):
+                if cur and size + mp.part > sub_group_size:
+                    groups.append(_Group(len(groups), cur, k))
+                    cur, size = [], 0
+                cur.append(mp)
+                size += mp.part
+            if cur:
+                groups.append(_Group(len(groups), cur, k))
         return groups
+
+    def hyper_for(self, g: _Group, **step) -> dict:
+        """Adam's hyper-parameters for one sub-group now: its parameter group's, plus this step's."""
+        pg = self.param_groups[g.param_group]
+        return dict(self.hyper, lr=float(pg["lr"]), betas=tuple(pg["betas"]), eps=float(pg["eps"]),
+                    weight_decay=float(pg["weight_decay"]), **step)
 
     def _init_state(self) -> None:
         """Master weights from the store's current shards; then the store switches to the compute dtype."""
@@ -184,8 +214,7 @@ class ShardedAdam(torch.optim.Optimizer):
         """Before the last micro-batch's backward: step each group as soon as its gradient is final."""
         self.overlapping = True
         self.step_count += 1
-        self._overlap_hyper = dict(self.hyper, step=self.step_count, lr=float(self.param_groups[0]["lr"]),
-                                   grad_scale=1.0)
+        self._overlap_hyper = dict(step=self.step_count, grad_scale=1.0)
         self._overlap_stats = StepStats()
         self._overlap_sq = 0.0
         for g in self.groups:
@@ -194,7 +223,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _step_now(self, g: _Group) -> None:
         self._overlap_sq += float(torch.linalg.vector_norm(g.grad)) ** 2
-        self._step_group(g, self._overlap_hyper, self._overlap_stats)
+        self._step_group(g, self.hyper_for(g, **self._overlap_hyper), self._overlap_stats)
         g.stepped = True
         g.grad = None
         for mp in g.params:
@@ -241,21 +270,20 @@ class ShardedAdam(torch.optim.Optimizer):
         if max_norm > 0:
             coef = min(1.0, max_norm / (norm + 1e-6))
         self.step_count += 1
-        hyper = dict(self.hyper, step=self.step_count, lr=float(self.param_groups[0]["lr"]),
-                     grad_scale=loss_scale / coef)
-        stats = self._step_all(grads, hyper)
+        stats = self._step_all(grads, dict(step=self.step_count, grad_scale=loss_scale / coef))
         self._flush()
         self.store.refresh_persistent()
         return False, norm, stats
 
-    def _step_all(self, grads, hyper) -> StepStats:
+    def _step_all(self, grads, step: dict) -> StepStats:
+        hypers = [self.hyper_for(g, **step) for g in self.groups]
         if self.swapper is not None:
             lowps = None if self.lowp is None else [self.lowp[:g.numel] for g in self.groups]
             return self.swapper.step(grads, check_finite=False, out_lowp=lowps,
                                      on_updated=lambda i, p: self._publish(self.groups[i], p, lowps and lowps[i]),
-                                     **hyper)
+                                     per_group=hypers, **hypers[0]) if self.groups else StepStats()
         stats = StepStats()
-        for g in self.groups:
+        for g, hyper in zip(self.groups, hypers):
             self._step_group(g, hyper, stats)
         return stats
 
@@ -409,8 +437,9 @@ class ShardedAdam(torch.optim.Optimizer):
         for g in self.groups:
             if g.grad is not None:
                 g.grad.zero_()
-        for mp in self.store.params:
-            mp.param.grad = None
+        for group in self.groups:
+            for mp in group.params:
+                mp.param.grad = None
 
     def close(self) -> None:
         if self.swap is not None:

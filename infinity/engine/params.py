@@ -13,7 +13,10 @@ A released parameter's `.data` is a 0-dim NaN expanded to the full shape: it
 costs one element, keeps `param.shape` right for code that reads it, and any
 accidental use outside a gather turns into NaN (a loss of NaN) rather than
 plausible garbage. Autograd's AccumulateGrad accepts it, since the shape
-matches; the gradient it produces is taken by `ParamStore.on_grad`.
+matches; the gradient it produces is taken by `ParamStore.on_grad`. Each
+placeholder has a storage of its own, so its address names its parameter
+(`ParamStore.placeholder_owner`): that is how [Note: partitioned access] in
+construct.py finds the parameter an op is really about.
 
 [Note: gradient buckets]
 With several ranks, full gradients are collected in a bucket of up to
@@ -70,17 +73,45 @@ class ManagedParam:
     """RAM tiers: this rank's shard in the store's dtype. nvme: None (it is in the swap file)."""
     grad: torch.Tensor | None = None
     """fp32 view of this rank's gradient shard, inside the optimizer's group buffer."""
+    trainable: bool = True
+    """Optimized (has master weights, moments and a gradient); False for frozen parameters (PEFT's base
+    weights), which keep only their shard on the parameter tier."""
+    placeholder: torch.Tensor | None = None
+    """While SHARDED: the tensor `param.data` was set to (see [Note: placeholder])."""
     extra: dict = field(default_factory=dict)
 
     def gathered(self, full: torch.Tensor) -> None:
         assert self.status is ParamStatus.SHARDED, f"{self.name}: gathered while {self.status.name}"
         self.param.data = full
+        self.placeholder = None
         self.status = ParamStatus.GATHERED
 
     def released(self) -> None:
         assert self.status is ParamStatus.GATHERED, f"{self.name}: released while {self.status.name}"
-        self.param.data = placeholder(self.shape, self.param.dtype, self.param.device)
+        self.placeholder = placeholder(self.shape, self.param.dtype, self.param.device)
+        self.param.data = self.placeholder
         self.status = ParamStatus.SHARDED
+
+    def reassigned(self) -> bool:
+        """SHARDED, but `param.data` is no longer the placeholder: user code ran `p.data = t`."""
+        return (self.status is ParamStatus.SHARDED and self.placeholder is not None
+                and self.param.untyped_storage().data_ptr() != self.placeholder.untyped_storage().data_ptr())
+
+
+class _AliasRouter:
+    """swap_in/release by swap id: `alias/...` from the optimizer's files, the rest from the parameter files."""
+
+    def __init__(self, alias, swapper):
+        self.alias, self.swapper = alias, swapper
+
+    def _for(self, sid: str):
+        return self.alias if sid.startswith("alias/") else self.swapper
+
+    def swap_in(self, sid: str, **kw):
+        return self._for(sid).swap_in(sid, **kw)
+
+    def release(self, sid: str, **kw):
+        return self._for(sid).release(sid, **kw)
 
 
 def placeholder(shape, dtype, device) -> torch.Tensor:
@@ -119,6 +150,10 @@ class ParamStore:
         self._bucket: list = []
         self._bucket_elements = 0
         self._in_flight = None
+        self.defer_writes = False  # set while from_pretrained builds: adopt() skips writing the shards
+        self.access = None  # construct.PartitionedAccess while the model is being built (zero_init -> initialize)
+        self._staged: list = []  # [ManagedParam, full value, dirty]: see [Note: partitioned access]
+        self._placeholders: dict[int, ManagedParam] = {}  # placeholder storage address -> its parameter
 
     # ------------------------------------------------------------ partition
 
@@ -129,16 +164,16 @@ class ParamStore:
         if not param.is_floating_point():
             raise ValueError(f"infinity: parameter {name} has dtype {param.dtype}; only floating-point parameters "
                              "can be partitioned")
+        if param.is_meta:
+            raise ValueError(f"infinity: parameter {name} is on the meta device, so it has no values to partition; "
+                             "zero_init builds real values one module at a time, so build the model without "
+                             "torch.device('meta') / init_empty_weights (from_pretrained under zero_init streams "
+                             "the weights itself)")
         numel = param.numel()
         part = max(1, math.ceil(numel / self.comm.world))
         mp = ManagedParam(param=param, name=name, index=len(self.params), shape=param.shape, numel=numel, part=part,
                           persistent=self.stage < 3 or numel <= self.persistence)
-        flat = param.detach().reshape(-1)
-        lo, hi = self.comm.rank * part, min(numel, (self.comm.rank + 1) * part)
-        shard = torch.zeros(part, dtype=param.dtype, device="cpu")
-        if hi > lo:
-            shard[:hi - lo].copy_(flat[lo:hi])
-        self._store_shard(mp, shard)
+        self._store_shard(mp, self.shard_of(mp, param))
         mp.extra["store"] = self
         param._infinity = mp
         self.params.append(mp)
@@ -146,10 +181,117 @@ class ParamStore:
             self.live_elements += numel
             self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
         else:
-            mp.released()
+            self._release(mp)
         return mp
 
+    def placeholder_owner(self, ptr: int) -> ManagedParam | None:
+        """The SHARDED parameter whose placeholder lives at storage address `ptr` (see [Note: placeholder])."""
+        return self._placeholders.get(ptr)
+
+    def _release(self, mp: ManagedParam) -> None:
+        mp.released()
+        self._placeholders[mp.placeholder.untyped_storage().data_ptr()] = mp
+
+    def _gather_into(self, mp: ManagedParam, full: torch.Tensor) -> None:
+        self._placeholders.pop(mp.placeholder.untyped_storage().data_ptr(), None)
+        mp.gathered(full)
+
+    # ------------------------------------------- construction (see construct.py)
+
+    def shard_of(self, mp: ManagedParam, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full value, zero-padded to `part` elements (see [Note: shard layout])."""
+        flat = full.detach().reshape(-1)
+        lo, hi = self.comm.rank * mp.part, min(mp.numel, (self.comm.rank + 1) * mp.part)
+        shard = torch.zeros(mp.part, dtype=mp.param.dtype, device="cpu")
+        if hi > lo:
+            shard[:hi - lo].copy_(flat[lo:hi])
+        return shard
+
+    def staged_full(self, mp: ManagedParam, *, need_values: bool, keep_others: bool = False) -> torch.Tensor:
+        """The full value of a SHARDED parameter for an op outside any gather (see [Note: partitioned access]).
+
+        One parameter is staged at a time: staging another writes the previous one back first, unless
+        keep_others (an op over two parameters; the caller settles right after).
+        """
+        for entry in self._staged:
+            if entry[0] is mp:
+                return entry[1]
+        if not keep_others:
+            self.settle_staged()
+        if need_values:
+            full = self.gather_full(mp, scheduled=False, dtype=mp.param.dtype).clone()
+        else:
+            full = torch.empty(mp.shape, dtype=mp.param.dtype, device=mp.param.device)
+        self._staged.append([mp, full, False])
+        return full
+
+    def mark_staged_dirty(self, mp: ManagedParam) -> None:
+        for entry in self._staged:
+            if entry[0] is mp:
+                entry[2] = True
+
+    def settle_staged(self) -> None:
+        """Write every staged, changed full value back as this rank's shard, and drop them."""
+        entries, self._staged = self._staged, []
+        for mp, full, dirty in entries:
+            if dirty:
+                self.write_shard(mp, self.shard_of(mp, full), wait=True, keep_dtype=True)
+
+    def _write_back_staged(self, mp: ManagedParam) -> None:
+        """A reader of mp's shard must see a staged change: write it back (it stays staged, now clean)."""
+        for entry in self._staged:
+            if entry[0] is mp and entry[2]:
+                entry[2] = False
+                self.write_shard(mp, self.shard_of(mp, entry[1]), wait=True, keep_dtype=True)
+
+    def adopt_reassigned(self, mps) -> None:
+        """Re-partition parameters whose `.data` user code replaced (`p.data = t`; see [Note: partitioned
+        access]). Before initialize the new value becomes the shard; after, it would be lost, so it raises."""
+        for mp in mps:
+            if not mp.reassigned():
+                continue
+            new = mp.param.data
+            if self.frozen:
+                raise RuntimeError(f"infinity: {mp.name}.data was assigned after initialize(); the optimizer holds "
+                                   "this parameter's fp32 master weights and would never see the new value. Assign "
+                                   "it inside zero_init or before initialize(), or load it with load_checkpoint")
+            if tuple(new.shape) != tuple(mp.shape) or not new.is_floating_point():
+                mp.param.data = mp.placeholder
+                raise ValueError(f"infinity: {mp.name}.data was assigned a {new.dtype} tensor of shape "
+                                 f"{tuple(new.shape)}, but the partitioned parameter is floating point with shape "
+                                 f"{tuple(mp.shape)}; a partitioned parameter keeps its shape, so build the module "
+                                 "with the new shape instead")
+            self._staged = [e for e in self._staged if e[0] is not mp]  # the assignment is newer
+            shard = self.shard_of(mp, new.to(mp.placeholder.dtype))
+            self.write_shard(mp, shard, wait=True, keep_dtype=True)
+            mp.param.data = mp.placeholder
+
+    def freeze(self, mp: ManagedParam) -> None:
+        """Not optimized: no master weights or moments; its shard moves to the compute dtype, and stays."""
+        mp.trainable = False
+        if self._shard_dtype(mp) != self.dtype:
+            self.write_shard(mp, self.read_shard(mp, torch.float32, scheduled=False), wait=True)
+
+    def _shard_dtype(self, mp: ManagedParam):
+        return mp.extra["swap_dtype"] if self.tier == "nvme" else mp.shard.dtype
+
+    def sync_persistent(self) -> None:
+        """Before initialize, a persistent parameter's full `param.data` is its value (user code may have
+        written it in place or reassigned it); make its shard agree before the optimizer reads it."""
+        for mp in self.params:
+            if mp.persistent and mp.status is ParamStatus.GATHERED:
+                self.write_shard(mp, self.shard_of(mp, mp.param.data), wait=True, keep_dtype=True)
+
+    def unwritten(self, mp: ManagedParam) -> bool:
+        """Adopted while defer_writes was set, and nothing has written its shard since."""
+        return bool(mp.extra.get("unwritten"))
+
     def _store_shard(self, mp: ManagedParam, shard: torch.Tensor) -> None:
+        if self.defer_writes:  # its values are about to be loaded (see [Note: streamed from_pretrained])
+            mp.extra["unwritten"] = True
+            mp.extra["swap_dtype"] = shard.dtype
+            mp.shard = None if self.tier == "nvme" else torch.zeros_like(shard)
+            return
         if self.tier == "nvme":
             self.swap.swapper.swap_out(self._swap_id(mp, shard.dtype), shard).wait()
             mp.shard = None
@@ -158,25 +300,29 @@ class ParamStore:
             mp.shard = shard if self.tier == "cpu" or self.device.type == "cpu" else shard.to(self.device)
 
     def _swap_id(self, mp: ManagedParam, dtype) -> str:
-        if self.alias is not None:
+        if self.alias is not None and mp.trainable:
             return f"alias/{mp.index}"
         return f"param/{mp.index}/{str(dtype).replace('torch.', '')}"
 
     def reader(self):
-        """What shard reads go through: the parameter swapper, or the optimizer-slice reader (alias.py)."""
-        return self.alias if self.alias is not None else self.swap.swapper
+        """What shard reads go through: the parameter swapper, or in fp32-alias mode a router that sends
+        trainable parameters to the optimizer-slice reader (alias.py) and frozen ones to their own files."""
+        return _AliasRouter(self.alias, self.swap.swapper) if self.alias is not None else self.swap.swapper
 
     def alias_to(self, reader) -> None:
-        """fp32 shards are read from the optimizer's files from now on (see [Note: fp32 shards live in the
-        optimizer file]); their own swap files are deleted."""
+        """Trainable fp32 shards are read from the optimizer's files from now on (see [Note: fp32 shards live
+        in the optimizer file]); their own swap files are deleted. Frozen ones keep theirs."""
         for mp in self.params:
-            self.swap.swapper.remove(self._swap_id(mp, mp.extra["swap_dtype"]))
+            if mp.trainable:
+                self.swap.swapper.remove(self._swap_id(mp, mp.extra["swap_dtype"]))
         self.alias = reader
 
     def retain(self, keep: set) -> None:
         """Forget managed parameters the model no longer holds (e.g. replaced by a tied weight)."""
         for mp in [mp for mp in self.params if id(mp.param) not in keep]:
-            if self.tier == "nvme":
+            if mp.placeholder is not None:
+                self._placeholders.pop(mp.placeholder.untyped_storage().data_ptr(), None)
+            if self.tier == "nvme" and not self.unwritten(mp):
                 self.swap.swapper.remove(self._swap_id(mp, mp.extra["swap_dtype"]))
             if mp.persistent:
                 self.live_elements -= mp.numel
@@ -191,6 +337,10 @@ class ParamStore:
 
         `scheduled` fetches count in the prefetch trace; reads outside forward/backward pass False.
         """
+        if self._staged:
+            self._write_back_staged(mp)
+        if self.unwritten(mp):  # uninitialised memory in a plain build; zeros here
+            return torch.zeros(mp.part, dtype=dtype or mp.extra["swap_dtype"])
         if self.tier != "nvme":
             return mp.shard if dtype is None else mp.shard.to(dtype)
         sid = self._swap_id(mp, mp.extra["swap_dtype"])
@@ -210,9 +360,10 @@ class ParamStore:
         keep_dtype keeps the shard's current dtype (fp32 until initialize()
         has made the master weights from it).
         """
-        if self.alias is not None:
+        if self.alias is not None and mp.trainable:
             raise RuntimeError(f"{mp.name}: its fp32 shard lives in the optimizer's file (alias mode); "
                                "only the optimizer writes it")
+        mp.extra.pop("unwritten", None)
         if self.tier != "nvme":
             dtype = mp.shard.dtype if keep_dtype else self.dtype
             if mp.shard.dtype != dtype:
@@ -229,11 +380,14 @@ class ParamStore:
 
     # -------------------------------------------------------- gather/release
 
-    def gather_full(self, mp: ManagedParam, *, scheduled: bool = True) -> torch.Tensor:
-        """The full parameter, in the compute dtype, on the compute device (a new tensor unless GATHERED)."""
+    def gather_full(self, mp: ManagedParam, *, scheduled: bool = True, dtype=None) -> torch.Tensor:
+        """The full parameter on the compute device (a new tensor unless GATHERED), in the compute dtype
+        after initialize, and in the dtype it was built in before (construction keeps fp32 values exact)."""
         if mp.status is ParamStatus.GATHERED:
             return mp.param.data
-        shard = self.read_shard(mp, self.dtype, scheduled=scheduled).to(self.device, non_blocking=True)
+        if dtype is None:
+            dtype = self.dtype if self.frozen else mp.param.dtype
+        shard = self.read_shard(mp, dtype, scheduled=scheduled).to(self.device, non_blocking=True)
         full = self.comm.all_gather(shard)
         if full is mp.shard:
             full = full.clone()  # one rank, RAM tier: never alias the shard the optimizer rewrites
@@ -244,17 +398,31 @@ class ParamStore:
         """One more user of the full value; gathers it on the first. Fetches outside forward/backward
         (gathered_parameters) pass scheduled=False, so that they stay out of the prefetch trace."""
         if mp.users == 0 and mp.status is ParamStatus.SHARDED:
-            mp.gathered(self.gather_full(mp, scheduled=scheduled))
+            self.adopt_reassigned([mp])
+            self._check_placeholder(mp)
+            self._gather_into(mp, self.gather_full(mp, scheduled=scheduled))
             self.live_elements += mp.numel
             self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
         mp.users += 1
+
+    def _check_placeholder(self, mp: ManagedParam) -> None:
+        """An in-place write that torch lets through on a placeholder (fill_, copy_ of a scalar) changes its
+        one element; after initialize nothing could keep it, so it is an error rather than a lost value."""
+        if self.frozen and mp.placeholder is not None:
+            value = mp.placeholder.as_strided((), ()).item()
+            if value == value:  # not NaN
+                mp.placeholder.as_strided((), ()).fill_(float("nan"))
+                raise RuntimeError(f"infinity: {mp.name} was written in place after initialize(), outside any "
+                                   "gather; the optimizer holds its fp32 master weights, so the write cannot be kept. "
+                                   "Write parameters inside zero_init or before initialize(), or load them with "
+                                   "load_checkpoint")
 
     def unuse(self, mp: ManagedParam) -> None:
         """One user fewer; the last one releases it (unless persistent)."""
         assert mp.users > 0, f"{mp.name}: unuse without use"
         mp.users -= 1
         if mp.users == 0 and not mp.persistent and mp.status is ParamStatus.GATHERED:
-            mp.released()
+            self._release(mp)
             self.live_elements -= mp.numel
 
     def refresh_persistent(self) -> None:
@@ -277,8 +445,8 @@ class ParamStore:
         mp = managed(param)
         g = param.grad
         param.grad = None
-        if g is None or self.grad_for is None:
-            return
+        if g is None or self.grad_for is None or not mp.trainable:
+            return  # a parameter outside every optimizer group is not trained (see [Note: parameter groups])
         flat = g.reshape(-1).to(torch.float32)
         if self.comm.world == 1:
             self.grad_for(mp).add_(flat.to(self.grad_for(mp).device))
@@ -322,7 +490,14 @@ class ParamStore:
             off += mp.part
             self.grad_ready(mp)
 
+    def swap_open(self) -> bool:
+        """False once closed (an nvme store's swap files are gone)."""
+        return not getattr(self, "_closed", False)
+
     def close(self) -> None:
+        self._closed = True
+        if self.access is not None:
+            self.access.active = False
         if self.scheduler is not None:
             self.scheduler.drain()
         if self.swap is not None:

@@ -8,11 +8,12 @@ outermost __init__ of an instance returns, the parameters it owns directly
 full parameters exist at a time, and a model bigger than RAM can be built.
 The values are exactly those of a normal build: the module's own
 initialisation runs unchanged, on the full tensor, with the same RNG calls in
-the same order. Code that re-initialises weights later (Hugging Face's
-`post_init`) sees full parameters: `Module.apply`, and Hugging Face's
-per-module `PreTrainedModel._initialize_weights` when transformers is
-imported, are wrapped too, gathering each module's parameters around the
-call and writing them back.
+the same order. Whatever runs later and touches an already partitioned
+parameter (a parent's init loop, `Module.apply`, Hugging Face's `post_init`,
+user code between zero_init and initialize) goes through
+[Note: partitioned access] in construct.py, so its writes land and its reads
+see the real values. `from_pretrained` of a Hugging Face model streams the
+checkpoint into the shards (pretrained.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import torch
 from infinity.engine.build import as_config, build_store
 from infinity.engine.comm import init_distributed
 from infinity.engine.memory import return_freed_memory_to_os
+from infinity.engine.construct import PartitionedAccess
 from infinity.engine.params import ParamStatus, managed
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _active = threading.local()
 
@@ -79,14 +82,16 @@ def zero_init(config=None):
             orig = cls.__dict__["__init__"]
             patched.append((cls, "__init__", orig))
             cls.__init__ = wrap_init(orig)
-    orig_apply = torch.nn.Module.apply
-    patched.append((torch.nn.Module, "apply", orig_apply))
-    torch.nn.Module.apply = _gathering_apply(store, orig_apply)
     hf = _hf_pretrained_model()
-    if hf is not None and "_initialize_weights" in hf.__dict__:
-        orig_hf = hf.__dict__["_initialize_weights"]
-        patched.append((hf, "_initialize_weights", orig_hf))
-        hf._initialize_weights = _gathering_method(store, orig_hf)
+    if hf is not None:
+        from infinity.engine.pretrained import partitioned_from_pretrained
+
+        orig_fp = hf.__dict__["from_pretrained"]
+        patched.append((hf, "from_pretrained", orig_fp))
+        hf.from_pretrained = classmethod(partitioned_from_pretrained(store))
+    _end_stale_access()
+    store.access = PartitionedAccess(store)
+    store.access.__enter__()
     _active.store = store
     try:
         yield store
@@ -94,24 +99,28 @@ def zero_init(config=None):
         _active.store = None
         for cls, name, orig in reversed(patched):
             setattr(cls, name, orig)
+        # The access mode stays until initialize(): writes after the block land too (see [Note: partitioned
+        # access]); what the block left staged is written back now.
+        store.settle_staged()
+        store.adopt_reassigned(store.params)
+
+
+def _end_stale_access() -> None:
+    """Drop access modes whose store is gone or was closed without initialize (they only pass ops through)."""
+    while True:
+        mode = _get_current_dispatch_mode()
+        if not isinstance(mode, PartitionedAccess) or mode.live():
+            return
+        mode.close()
 
 
 def _partition(store, module) -> None:
     for name, p in module.named_parameters(recurse=False):
         if p is not None and managed(p) is None:
             store.adopt(p, f"{type(module).__name__}.{name}")
-
-
-def _gathering_apply(store, orig_apply):
-    def apply(self, fn):
-        def gathered_fn(module):
-            params = [p for p in module.parameters(recurse=False) if managed(p) is not None]
-            if not params:
-                return fn(module)
-            with gathered_parameters(params, modifier_rank=0, store=store):
-                return fn(module)
-        return orig_apply(self, gathered_fn)
-    return apply
+    # A parent may have written its children's parameters: what it staged or assigned becomes their shards now.
+    store.settle_staged()
+    store.adopt_reassigned([m for m in (managed(p) for p in module.parameters()) if m is not None])
 
 
 def _hf_pretrained_model():
@@ -120,25 +129,6 @@ def _hf_pretrained_model():
 
     mod = sys.modules.get("transformers.modeling_utils")
     return getattr(mod, "PreTrainedModel", None)
-
-
-def _gathering_method(store, orig):
-    """Wrap `orig(self, module, ...)` so that `module`'s parameters are full (and kept) during the call.
-
-    Hugging Face's per-module init also re-initialises children (GPT-2 scales
-    its attention's c_proj), so the whole subtree is gathered when it fits
-    in stage3_max_live_parameters, else the module's own parameters only.
-    """
-    @functools.wraps(orig)
-    def method(self, module, *args, **kwargs):
-        params = [p for p in module.parameters() if managed(p) is not None]
-        if sum(p.numel() for p in params) > store.max_live:
-            params = [p for p in module.parameters(recurse=False) if managed(p) is not None]
-        if not params:
-            return orig(self, module, *args, **kwargs)
-        with gathered_parameters(params, modifier_rank=0, store=store):
-            return orig(self, module, *args, **kwargs)
-    return method
 
 
 @contextlib.contextmanager
@@ -172,6 +162,7 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None, *, s
         raise RuntimeError("infinity.gathered_parameters: modifier_rank is set, but initialize() already built the "
                            "optimizer, whose fp32 master weights would not see the change; modify parameters "
                            "inside zero_init, or before initialize()")
+    st.adopt_reassigned(mps)
     for mp in mps:
         st.use(mp, scheduled=False)
     try:

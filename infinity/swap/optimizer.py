@@ -55,13 +55,14 @@ class OptimizerSwapper:
     def step(self, grads: list[torch.Tensor], *, step: int, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
              weight_decay: float = 0.0, adamw: bool = True, bias_correction: bool = True, grad_scale: float = 1.0,
              out_lowp: list[torch.Tensor] | None = None, check_finite: bool = True,
-             on_updated=None) -> StepStats:
+             on_updated=None, per_group: list[dict] | None = None) -> StepStats:
         """One Adam step over every group. With check_finite, an inf/nan in any gradient skips all groups.
 
         `on_updated(i, param)` is called with each group's new fp32 weights
         (a view into its buffer, valid only during the call) before they are
         written back: this is how the parameter store gets its copy in the
-        same pass over the state.
+        same pass over the state. `per_group[i]`, when given, overrides the
+        hyper-parameters for group i (parameter groups with their own lr).
 
         If anything raises mid-step, every buffer goes back to the pool and
         every group is left ON_DISK: groups already written hold the new
@@ -96,7 +97,8 @@ class OptimizerSwapper:
                     raise
                 t1 = time.perf_counter()
                 stats.io_wait_s += t1 - t0
-                self._adam(i, state, grads[i], None if out_lowp is None else out_lowp[i], on_updated, hyper)
+                self._adam(i, state, grads[i], None if out_lowp is None else out_lowp[i], on_updated,
+                           hyper if per_group is None else dict(per_group[i], check_finite=False))
                 t2 = time.perf_counter()
                 stats.compute_s += t2 - t1
                 writes.append(sw.swap_out(self.ids[i], state))

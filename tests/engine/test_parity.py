@@ -115,7 +115,9 @@ def test_gathered_parameters_modifier_is_kept_before_initialize(disk_dir):
             model.blocks[0].fc.weight.data.fill_(0.5)
         with gathered_parameters(model.blocks[0].fc):
             assert torch.all(model.blocks[0].fc.weight == 0.5)
-        assert torch.isnan(model.blocks[0].fc.weight).all(), "released again: the NaN placeholder"
+        assert model.blocks[0].fc.weight.data.untyped_storage().nbytes() <= 4, "released again: the placeholder"
+        # Until initialize, a read outside a gather sees the real values (see [Note: partitioned access]).
+        assert torch.all(model.blocks[0].fc.weight == 0.5)
     store.close()
 
 
