@@ -161,20 +161,51 @@ def weight_files(path: str, use_safetensors=None) -> list[str]:
                   "save_pretrained(...) into it")
 
 
-def _tensors(file: str):
-    """(key, shape, read(lo_row, hi_row) -> tensor of those rows) for each tensor of a checkpoint file."""
-    if file.endswith(".safetensors"):
-        from safetensors import safe_open
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 
-        with safe_open(file, framework="pt") as handle:
-            for key in handle.keys():
-                piece = handle.get_slice(key)
-                shape = tuple(piece.get_shape())
-                yield key, shape, (lambda lo, hi, p=piece, s=shape: p[lo:hi] if s else p[:])
+
+def _tensors(file: str):
+    """(key, shape, read(first_row, end_row) -> tensor of those rows) for each tensor of a checkpoint file.
+
+    safetensors files are read with pread of just the requested rows (no mmap: mapped pages would stay
+    resident and count against the memory bound); .bin files go through torch.load(mmap=True).
+    """
+    if file.endswith(".safetensors"):
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+            base = 8 + n
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+                if dtype is None:
+                    raise ValueError(f"from_pretrained: {key} in {file} has dtype {entry['dtype']}, which torch "
+                                     "cannot load")
+                shape = tuple(entry["shape"])
+                start = base + entry["data_offsets"][0]
+                yield key, shape, (lambda lo, hi, f=f, s=shape, d=dtype, o=start: _pread_rows(f, o, s, d, lo, hi))
         return
     state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     for key, t in state.items():
         yield key, tuple(t.shape), (lambda lo, hi, t=t: t[lo:hi] if t.dim() else t)
+
+
+def _pread_rows(f, offset: int, shape, dtype, lo: int, hi: int) -> torch.Tensor:
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    if not shape:
+        lo, hi, row = 0, 1, 1
+    esize = torch.empty((), dtype=dtype).element_size()
+    nbytes = (hi - lo) * row * esize
+    buf = bytearray(nbytes)
+    got = os.preadv(f.fileno(), [buf], offset + lo * row * esize) if nbytes else 0
+    if got != nbytes:
+        raise OSError(f"from_pretrained: short read of {f.name} at byte {offset + lo * row * esize}: {got} of "
+                      f"{nbytes} bytes (a truncated checkpoint file)")
+    out = torch.frombuffer(buf, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
+    return out.reshape((hi - lo,) + tuple(shape[1:])) if shape else out.reshape(())
 
 
 def _resolve(key: str, targets: dict, prefix: str, key_mapping: dict):
