@@ -89,7 +89,7 @@ def resolve(directory, tag: str | None = None) -> tuple[str, dict]:
 def check_compatible(engine, m: dict, root: str) -> None:
     """Names and shapes of every partitioned parameter and buffer must match; raises naming the first few that do not."""
     saved = {p["name"]: p for p in m["params"]}
-    mine = {mp.name: mp for mp in engine.store.params}
+    mine = {mp.name: mp for mp in engine.store.trained()}
     problems = []
     for name in mine.keys() - saved.keys():
         problems.append(f"parameter {name} is not in the checkpoint")
@@ -99,6 +99,13 @@ def check_compatible(engine, m: dict, root: str) -> None:
         if list(mine[name].shape) != list(saved[name]["shape"]):
             problems.append(f"parameter {name}: the checkpoint has shape {tuple(saved[name]['shape'])}, the model "
                             f"{tuple(mine[name].shape)}")
+    frozen = {f["name"]: f for f in m.get("frozen_partitioned", [])}
+    for mp in engine.store.params:
+        if not mp.trainable and mp.name in frozen and list(mp.shape) != list(frozen[mp.name]["shape"]):
+            problems.append(f"frozen parameter {mp.name}: the checkpoint's model had shape "
+                            f"{tuple(frozen[mp.name]['shape'])}, this one {tuple(mp.shape)}")
+    for name in frozen.keys() - {mp.name for mp in engine.store.params if not mp.trainable}:
+        problems.append(f"frozen parameter {name} of the checkpoint's model is not a frozen parameter of this model")
     extras = {e["name"]: e for e in m.get("extras", [])}
     for name, t in extra_tensors(engine.module).items():
         e = extras.get(name)
@@ -115,7 +122,7 @@ def my_reads(engine, m: dict):
     """(managed param, saved entry, lo, hi, [(chunk index, first element, last element)]) for this rank."""
     saved = {p["name"]: p for p in m["params"]}
     rank = engine.comm.rank
-    for mp in engine.store.params:
+    for mp in engine.store.trained():
         s = saved[mp.name]
         lo, hi = rank * mp.part, min(mp.numel, (rank + 1) * mp.part)
         pieces = []

@@ -130,7 +130,8 @@ def manifest(engine, tag: str, client_state) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "compute_dtype": name_of(store.dtype), "states": list(STATES),
         "params": [{"name": mp.name, "shape": list(mp.shape), "numel": mp.numel, "part": mp.part}
-                   for mp in store.params],
+                   for mp in store.trained()],
+        "frozen_partitioned": [{"name": mp.name, "shape": list(mp.shape)} for mp in store.params if not mp.trainable],
         "aliases": aliases(engine.module),
         "extras": [{"name": k, "shape": list(v.shape), "dtype": name_of(v.dtype)}
                    for k, v in extras.items()],
@@ -193,7 +194,7 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
     # Group and array metadata: the directories now (every rank writes chunks into them), the zarr.json
     # files on a thread of rank 0 while the chunk writes run.
     metadata = {state: group_meta() for state in STATES + ("extra", "ranks")}
-    for mp in store.params:
+    for mp in store.trained():
         for state in STATES:
             metadata[os.path.join(state, mp.name)] = array_meta(mp.numel, mp.part, attributes={"shape": list(mp.shape)})
     for name, t in extra_tensors(engine.module).items():

@@ -184,6 +184,10 @@ class ParamStore:
             self._release(mp)
         return mp
 
+    def trained(self) -> list[ManagedParam]:
+        """The managed parameters the optimizer holds state for (checkpoints save these)."""
+        return [mp for mp in self.params if mp.trainable]
+
     def placeholder_owner(self, ptr: int) -> ManagedParam | None:
         """The SHARDED parameter whose placeholder lives at storage address `ptr` (see [Note: placeholder])."""
         return self._placeholders.get(ptr)

@@ -150,3 +150,37 @@ def test_peft_lora_on_a_partitioned_from_pretrained_model(tier, tmp_path, disk_d
     finally:
         engine.close()
     assert_close(want, got)
+
+
+def test_a_lora_checkpoint_resumes_exactly_on_nvme(tmp_path, disk_dir):
+    """Adapters' state and the lr in the checkpoint; the frozen base comes back from from_pretrained."""
+    path = saved(tmp_path, llama_config())
+    cfg = cfg_for("nvme", disk_dir, largest=256 * 64)
+
+    def build():
+        with zero_init(cfg):
+            base = transformers.AutoModelForCausalLM.from_pretrained(path)
+        return initialize(lora(base), cfg)
+
+    def step(engine, s):
+        args, kw = tokens(s)
+        loss = engine(*args, **kw).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    engine = build()
+    try:
+        for s in range(3):
+            step(engine, s)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        want = [step(engine, s) for s in range(3, 6)]
+    finally:
+        engine.close()
+    engine = build()
+    try:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        got = [step(engine, s) for s in range(3, 6)]
+    finally:
+        engine.close()
+    assert got == want
