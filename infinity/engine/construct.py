@@ -81,7 +81,7 @@ class PartitionedAccess(TorchDispatchMode):
         flat, spec = tree_flatten((args, kwargs))
         hits = {}
         for i, a in enumerate(flat):
-            if isinstance(a, torch.Tensor) and not a.is_meta:
+            if isinstance(a, torch.Tensor) and a.layout is torch.strided and not a.is_meta:
                 found = self._lookup(store, a)
                 if found is not None:
                     hits[i] = found
@@ -149,7 +149,11 @@ class PartitionedAccess(TorchDispatchMode):
         for i, (mp, chain) in hits.items():
             real[i] = self.replay(fulls[id(mp)], chain)
         a, k = tree_unflatten(real, spec)
-        out = func(*a, **k)
+        try:
+            out = func(*a, **k)
+        except BaseException:
+            store.drop_staged(mps, clean_only=True)  # what this op staged unwritten (torch.empty) must not stay
+            raise
         dirty = [mp for i, (mp, _) in hits.items() if id(flat[i]) in written]
         for mp in dirty:
             store.mark_staged_dirty(mp)

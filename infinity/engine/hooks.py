@@ -46,7 +46,8 @@ class ParamHooks:
                 self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         seen = set()
         for p in model.parameters():
-            if managed(p) is not None and managed(p).trainable and id(p) not in seen:
+            # Parameters left out of the optimizer's groups too: on_grad drops the gradient autograd made.
+            if managed(p) is not None and p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self._handles.append(p.register_post_accumulate_grad_hook(self.store.on_grad))
 

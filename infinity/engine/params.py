@@ -223,7 +223,8 @@ class ParamStore:
         if not keep_others:
             self.settle_staged()
         if need_values:
-            full = self.gather_full(mp, scheduled=False, dtype=mp.param.dtype).clone()
+            # On the device the module was built on, like a plain build's value (and its RNG).
+            full = self.gather_full(mp, scheduled=False, dtype=mp.param.dtype).to(mp.param.device, copy=True)
         else:
             full = torch.empty(mp.shape, dtype=mp.param.dtype, device=mp.param.device)
         self._staged.append([mp, full, False])
@@ -240,13 +241,18 @@ class ParamStore:
         for mp, full, dirty in entries:
             if dirty:
                 self.write_shard(mp, self.shard_of(mp, full), wait=True, keep_dtype=True)
+        self._staged = []
 
     def _write_back_staged(self, mp: ManagedParam) -> None:
-        """A reader of mp's shard must see a staged change: write it back (it stays staged, now clean)."""
-        for entry in self._staged:
+        """A reader of mp's shard must see a staged change: write it back (write_shard drops the entry)."""
+        for entry in list(self._staged):
             if entry[0] is mp and entry[2]:
-                entry[2] = False
                 self.write_shard(mp, self.shard_of(mp, entry[1]), wait=True, keep_dtype=True)
+
+    def drop_staged(self, mps, *, clean_only: bool = False) -> None:
+        """Forget staged values of these parameters (after a failed op: only the clean ones it staged)."""
+        ids = {id(mp) for mp in mps}
+        self._staged = [e for e in self._staged if id(e[0]) not in ids or (clean_only and e[2])]
 
     def adopt_reassigned(self, mps) -> None:
         """Re-partition parameters whose `.data` user code replaced (`p.data = t`; see [Note: partitioned
@@ -368,6 +374,8 @@ class ParamStore:
             raise RuntimeError(f"{mp.name}: its fp32 shard lives in the optimizer's file (alias mode); "
                                "only the optimizer writes it")
         mp.extra.pop("unwritten", None)
+        if self._staged:  # a newer shard: a staged full value of mp is stale now
+            self.drop_staged([mp])
         if self.tier != "nvme":
             dtype = mp.shard.dtype if keep_dtype else self.dtype
             if mp.shard.dtype != dtype:
@@ -412,7 +420,8 @@ class ParamStore:
     def _check_placeholder(self, mp: ManagedParam) -> None:
         """An in-place write that torch lets through on a placeholder (fill_, copy_ of a scalar) changes its
         one element; after initialize nothing could keep it, so it is an error rather than a lost value."""
-        if self.frozen and mp.placeholder is not None:
+        if self.frozen and mp.placeholder is not None and mp.placeholder.device.type == "cpu":
+            # (On an accelerator the check would sync the stream on every gather, so it is skipped there.)
             value = mp.placeholder.as_strided((), ()).item()
             if value == value:  # not NaN
                 mp.placeholder.as_strided((), ()).fill_(float("nan"))

@@ -118,6 +118,9 @@ def load_pretrained(store, cls, name_or_path, model_args, kwargs):
     _filter_ignored(model, info)
     model.initialize_weights()  # only what the checkpoint lacked: HF skips tensors marked initialised
     store.settle_staged()
+    for mp in store.params:  # a gathered (persistent) one's full value is its value, as in a plain build
+        if mp.status is ParamStatus.GATHERED:
+            mp.extra.pop("unwritten", None)
     _write_unwritten(store, model)
     model.eval()
     _generation_config(model, path)
@@ -227,6 +230,8 @@ def _land(store, target: torch.Tensor, shape, read) -> None:
         if mp is None or mp.status is ParamStatus.GATHERED:
             dst = target if mp is None else mp.param.data
             dst.copy_(read(0, shape[0] if shape else 0).reshape(dst.shape))
+            if mp is not None:
+                mp.extra.pop("unwritten", None)  # its full value is what initialize will shard
             return
         numel = mp.numel
         lo, hi = store.comm.rank * mp.part, min(numel, (store.comm.rank + 1) * mp.part)
