@@ -31,8 +31,10 @@ _ST_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", 
               torch.bool: "BOOL"}
 
 
-def entries(m: dict, state: str = "master"):
-    """{state_dict key: (shape, dtype, chunk files as [(file key, stored bytes, bytes to keep)])}, by element size."""
+def entries(m: dict, state: str = "master", *, aliases: bool = True):
+    """{state_dict key: (shape, dtype, chunk files as [(file key, stored bytes, bytes to keep)])}, by element size.
+
+    aliases=False names a tied weight once (as save_pretrained does; from_pretrained ties it again)."""
     out = {}
     for p in m["params"]:
         nbytes, chunk = 4 * p["numel"], 4 * p["part"]
@@ -41,7 +43,7 @@ def entries(m: dict, state: str = "master"):
             files.append((("param", state, p["name"], c), chunk, min(chunk, nbytes - c * chunk)))
         out[p["name"]] = (p["shape"], torch.float32, files)
     # tied weights: torch's state_dict names them all; safetensors cannot share storage, so they are repeated
-    for alias, name in m.get("aliases", {}).items():
+    for alias, name in (m.get("aliases", {}) if aliases else {}).items():
         out[alias] = out[name]
     for e in m.get("extras", []):
         dtype = BY_NAME[e["dtype"]]
@@ -55,7 +57,7 @@ def entries(m: dict, state: str = "master"):
 def all_chunks(root: str, m: dict):
     """(path, value bytes, what) of every chunk file of a checkpoint."""
     for p in m["params"]:
-        for state in STATES:
+        for state in (STATES[:1] if p.get("frozen") else STATES):
             for c in range(-(-p["numel"] // p["part"])):
                 yield chunk_path(root, state, p["name"], c), 4 * p["part"], f"{state} of parameter {p['name']}"
     for e in m.get("extras", []):
@@ -106,6 +108,61 @@ def export(directory, out_path, tag: str | None = None) -> dict:
             if os.path.exists(p):
                 os.unlink(p)
     return {"path": out_path, "tensors": len(ents), "bytes": total}
+
+
+def export_hf(directory, out_dir, tag: str | None = None, *, max_shard_bytes: int = 5 << 30) -> dict:
+    """A save_pretrained-style directory from a checkpoint of a Hugging Face model: config.json and
+    model.safetensors (or model-0000k-of-0000n.safetensors with model.safetensors.index.json), streamed.
+    `from_pretrained(out_dir)` loads the trained weights. Returns {"path", "files", "tensors", "bytes"}."""
+    root, m = resolve(directory, tag)
+    config = m.get("hf_config")
+    if config is None:
+        raise CheckpointError(f"checkpoint {root} was not saved from a Hugging Face PreTrainedModel (its manifest has "
+                              "no hf_config), so there is no config.json to write; export a state_dict instead: "
+                              "infinity checkpoint export DIR model.safetensors")
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    os.makedirs(out_dir, exist_ok=True)
+    ents = entries(m, aliases=False)
+    shards, cur, size = [], {}, 0
+    for key, ent in ents.items():
+        n = sum(k for _, _, k in ent[2])
+        if cur and size + n > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[key] = ent
+        size += n
+    shards.append(cur)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = 0
+    tmp_paths = []
+    try:
+        for name, part in zip(names, shards):
+            tmp = os.path.join(out_dir, name + ".tmp")
+            tmp_paths.append(tmp)
+            n, _ = _write_safetensors(root, m, part, tmp)
+            total += n
+        writes = [(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2, sort_keys=True) + "\n")]
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {k: name for name, part in zip(names, shards) for k in part}}
+            writes.append((os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2) + "\n"))
+        for path, text in writes:
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp_paths.append(path + ".tmp")
+        for name in names:
+            os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
+        for path, _ in writes:
+            os.replace(path + ".tmp", path)
+        fsync_dir(out_dir)
+    finally:
+        for p in tmp_paths:
+            if os.path.exists(p):
+                os.unlink(p)
+    return {"path": out_dir, "files": names, "tensors": len(ents), "bytes": total}
 
 
 def _write_safetensors(root, m, ents, path):
@@ -185,7 +242,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True)
     e = sub.add_parser("export", help="write a plain fp32 state_dict (.safetensors or .pt), streamed")
     e.add_argument("dir", help="checkpoint directory (the save_dir given to save_checkpoint)")
-    e.add_argument("out", help="output file: NAME.safetensors or NAME.pt")
+    e.add_argument("out", nargs="?", help="output file: NAME.safetensors or NAME.pt (or use --hf)")
+    e.add_argument("--hf", metavar="OUT_DIR", help="write a Hugging Face model directory instead (config.json and "
+                   "model.safetensors, sharded above --max-shard-size), for from_pretrained(OUT_DIR)")
+    e.add_argument("--max-shard-size", default="5GiB", help="with --hf: the largest safetensors file (default 5GiB)")
     e.add_argument("--tag", help="checkpoint tag (default: the one DIR/latest names)")
     i = sub.add_parser("info", help="summarise what a checkpoint holds")
     i.add_argument("dir")
@@ -195,7 +255,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    if args.action == "export" and args.hf:
+        if args.out:
+            raise SystemExit("infinity checkpoint export: give either an output file or --hf OUT_DIR, not both")
+        from infinity.units import parse_size
+
+        r = export_hf(args.dir, args.hf, args.tag,
+                      max_shard_bytes=parse_size(args.max_shard_size, name="--max-shard-size"))
+        print(f"wrote {r['path']}: config.json and {len(r['files'])} safetensors file(s), {r['tensors']} tensors, "
+              f"{r['bytes'] / 2**20:.1f} MiB")
+        return 0
     if args.action == "export":
+        if not args.out:
+            raise SystemExit("infinity checkpoint export: give an output file (NAME.safetensors or NAME.pt) or "
+                             "--hf OUT_DIR")
         r = export(args.dir, args.out, args.tag)
         print(f"wrote {r['path']}: {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB")
         return 0

@@ -86,26 +86,22 @@ def resolve(directory, tag: str | None = None) -> tuple[str, dict]:
     return root, m
 
 
-def check_compatible(engine, m: dict, root: str) -> None:
+def check_compatible(engine, m: dict, root: str, module_only: bool = False) -> None:
     """Names and shapes of every partitioned parameter and buffer must match; raises naming the first few that do not."""
     saved = {p["name"]: p for p in m["params"]}
-    mine = {mp.name: mp for mp in engine.store.trained()}
+    mine = {mp.name: mp for mp in engine.store.params}
     problems = []
     for name in mine.keys() - saved.keys():
         problems.append(f"parameter {name} is not in the checkpoint")
     for name in saved.keys() - mine.keys():
         problems.append(f"checkpoint parameter {name} is not in the model")
     for name in mine.keys() & saved.keys():
+        if mine[name].trainable and saved[name].get("frozen") and not module_only:
+            problems.append(f"parameter {name} was frozen when saved, so the checkpoint has no optimizer state for "
+                            "it; pass load_module_only=True, or freeze it (requires_grad=False) as it was")
         if list(mine[name].shape) != list(saved[name]["shape"]):
             problems.append(f"parameter {name}: the checkpoint has shape {tuple(saved[name]['shape'])}, the model "
                             f"{tuple(mine[name].shape)}")
-    frozen = {f["name"]: f for f in m.get("frozen_partitioned", [])}
-    for mp in engine.store.params:
-        if not mp.trainable and mp.name in frozen and list(mp.shape) != list(frozen[mp.name]["shape"]):
-            problems.append(f"frozen parameter {mp.name}: the checkpoint's model had shape "
-                            f"{tuple(frozen[mp.name]['shape'])}, this one {tuple(mp.shape)}")
-    for name in frozen.keys() - {mp.name for mp in engine.store.params if not mp.trainable}:
-        problems.append(f"frozen parameter {name} of the checkpoint's model is not a frozen parameter of this model")
     extras = {e["name"]: e for e in m.get("extras", [])}
     for name, t in extra_tensors(engine.module).items():
         e = extras.get(name)
@@ -122,7 +118,7 @@ def my_reads(engine, m: dict):
     """(managed param, saved entry, lo, hi, [(chunk index, first element, last element)]) for this rank."""
     saved = {p["name"]: p for p in m["params"]}
     rank = engine.comm.rank
-    for mp in engine.store.trained():
+    for mp in engine.store.params:
         s = saved[mp.name]
         lo, hi = rank * mp.part, min(mp.numel, (rank + 1) * mp.part)
         pieces = []
@@ -141,7 +137,7 @@ def load(engine, directory, tag: str | None = None, *, verify: bool = True, modu
     comm = engine.comm
     root, m = _lookup(comm, directory, tag)
     states = STATES[:1] if module_only else STATES
-    apply = together(comm, "check", lambda: (check_compatible(engine, m, root),
+    apply = together(comm, "check", lambda: (check_compatible(engine, m, root, module_only),
                                              _prepare_restore(engine, m, root, module_only, lr_scheduler))[1])
     io = open_io(engine.config, root)
     reader = ChunkReader(io)
@@ -177,7 +173,7 @@ def _verify(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
     chunks = {}
     for mp, s, lo, hi, pieces in my_reads(engine, m):
         for c, _, _ in pieces:
-            for state in states:
+            for state in (states if mp.trainable else STATES[:1]):
                 chunks.setdefault(chunk_path(root, state, mp.name, c), (4 * s["part"], f"{state} of parameter {mp.name}"))
     for e in m.get("extras", []):
         n = int(np.prod(e["shape"], dtype=np.int64))
@@ -209,6 +205,19 @@ def _load(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
             window.finish()  # every read has landed (or failed) before the caller reuses these buffers
 
     engine.optimizer.import_state(fill, refresh=False)
+    for mp in engine.store.params:  # frozen ones: weights only, one shard at a time
+        if mp.trainable:
+            continue
+        s, lo, hi, pieces = plan[id(mp)]
+        shard = torch.zeros(mp.part, dtype=torch.float32)
+        window = Window()
+        try:
+            for c, a, b in pieces:
+                reader.read_into(window, shard[a - lo:b - lo], chunk_path(root, "master", mp.name, c),
+                                 4 * (a - c * s["part"]))
+        finally:
+            window.finish()
+        engine.store.write_shard(mp, shard, wait=True)
     current = extra_tensors(engine.module)
     for e in m.get("extras", []):
         t = current.get(e["name"])

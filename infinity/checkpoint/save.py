@@ -129,9 +129,9 @@ def manifest(engine, tag: str, client_state) -> dict:
         "format": FORMAT, "version": VERSION, "complete": True, "tag": tag, "world_size": engine.comm.world,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "compute_dtype": name_of(store.dtype), "states": list(STATES),
-        "params": [{"name": mp.name, "shape": list(mp.shape), "numel": mp.numel, "part": mp.part}
-                   for mp in store.trained()],
-        "frozen_partitioned": [{"name": mp.name, "shape": list(mp.shape)} for mp in store.params if not mp.trainable],
+        "params": [{"name": mp.name, "shape": list(mp.shape), "numel": mp.numel, "part": mp.part,
+                    "frozen": not mp.trainable} for mp in store.params],
+        "hf_config": hf_config(engine.module),
         "aliases": aliases(engine.module),
         "extras": [{"name": k, "shape": list(v.shape), "dtype": name_of(v.dtype)}
                    for k, v in extras.items()],
@@ -142,6 +142,31 @@ def manifest(engine, tag: str, client_state) -> dict:
         "client_state": _jsonable(client_state, "client_state"),
         "config": json.loads(json.dumps(dataclasses.asdict(engine.config), default=str)),
     }
+
+
+def states_of(mp) -> tuple:
+    """What a checkpoint holds of a managed parameter: a frozen one has weights and no optimizer state."""
+    return STATES if mp.trainable else STATES[:1]
+
+
+def write_frozen(store, w, partial: str) -> None:
+    """This rank's shard of every frozen partitioned parameter (PEFT's base weights), one at a time, as fp32
+    `master` chunks: the checkpoint then holds the whole model, and `export` writes it."""
+    rank = store.comm.rank
+    for mp in store.params:
+        if mp.trainable or rank * mp.part >= mp.numel:
+            continue
+        shard = store.read_shard(mp, torch.float32, scheduled=False)
+        w.write(chunk_path(partial, "master", mp.name, rank), shard)
+        w.wait_upto(w.mark())  # the shard is a temporary: its write lands before the next is read
+
+
+def hf_config(module) -> dict | None:
+    """A Hugging Face model's config (for `checkpoint export --hf`), or None for any other module."""
+    mu = sys.modules.get("transformers.modeling_utils")
+    if mu is None or not isinstance(module, mu.PreTrainedModel):
+        return None
+    return json.loads(module.config.to_json_string())
 
 
 CRASH_POINTS = ("prepared", "group", "written", "marked", "renamed")
@@ -194,8 +219,8 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
     # Group and array metadata: the directories now (every rank writes chunks into them), the zarr.json
     # files on a thread of rank 0 while the chunk writes run.
     metadata = {state: group_meta() for state in STATES + ("extra", "ranks")}
-    for mp in store.trained():
-        for state in STATES:
+    for mp in store.params:
+        for state in states_of(mp):
             metadata[os.path.join(state, mp.name)] = array_meta(mp.numel, mp.part, attributes={"shape": list(mp.shape)})
     for name, t in extra_tensors(engine.module).items():
         metadata[os.path.join("extra", name)] = array_meta(
@@ -232,6 +257,7 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
                 return lambda: w.wait_upto(mark)
 
             opt.export_state(use)
+            write_frozen(store, w, partial)
             if rank == 0:
                 for name, t in extra_tensors(engine.module).items():
                     if t.numel():

@@ -62,6 +62,10 @@ class PartitionedAccess(TorchDispatchMode):
         self.views: dict[int, tuple] = {}
         """storage address of a view placeholder -> (ManagedParam, view chain, the placeholder itself)."""
         self.active = True
+        self.watch: list = []
+        """Parameters whose full value an op just returned (a conversion: `_to_copy`, `clone`): if user code
+        assigns it to `.data` (Module._apply does, for model.half() or .to()), it is re-partitioned at the
+        next op, so a whole-model conversion holds one or two full parameters, not all of them."""
 
     def _lookup(self, store, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
@@ -78,6 +82,9 @@ class PartitionedAccess(TorchDispatchMode):
         store = self._store()
         if not self.active or store is None or store.frozen:
             return func(*args, **kwargs)
+        if self.watch:
+            watched, self.watch = self.watch, []
+            store.adopt_reassigned(watched)
         flat, spec = tree_flatten((args, kwargs))
         hits = {}
         for i, a in enumerate(flat):
@@ -159,6 +166,8 @@ class PartitionedAccess(TorchDispatchMode):
             store.mark_staged_dirty(mp)
         if len(mps) > 1:
             store.settle_staged()
+        if not dirty and isinstance(out, torch.Tensor):
+            self.watch.extend(mp for mp in mps if tuple(out.shape) == tuple(mp.shape))
         return _restore_aliases(func, out, args, kwargs)
 
     def live(self) -> bool:

@@ -168,7 +168,7 @@ class ParamStore:
             raise ValueError(f"infinity: parameter {name} is on the meta device, so it has no values to partition; "
                              "zero_init builds real values one module at a time, so build the model without "
                              "torch.device('meta') / init_empty_weights (from_pretrained under zero_init streams "
-                             "the weights itself)")
+                             "the weights itself, if transformers was imported before the zero_init block began)")
         numel = param.numel()
         part = max(1, math.ceil(numel / self.comm.world))
         mp = ManagedParam(param=param, name=name, index=len(self.params), shape=param.shape, numel=numel, part=part,

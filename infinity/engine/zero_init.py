@@ -124,10 +124,16 @@ def _partition(store, module) -> None:
 
 
 def _hf_pretrained_model():
-    """transformers.PreTrainedModel, if the user's program has imported transformers (we never import it)."""
+    """transformers.PreTrainedModel, if the user's program has imported transformers (we never import it first).
+
+    `import transformers` is lazy: its modeling_utils may not be loaded yet, and a from_pretrained inside the
+    block would load it too late to be streamed, so it is loaded here."""
+    import importlib
     import sys
 
-    mod = sys.modules.get("transformers.modeling_utils")
+    if "transformers" not in sys.modules:
+        return None
+    mod = importlib.import_module("transformers.modeling_utils")
     return getattr(mod, "PreTrainedModel", None)
 
 

@@ -439,3 +439,29 @@ def test_meta_device_construction_is_refused_with_the_fix(disk_dir):
         with zero_init(cfg_for("none", disk_dir)):
             with torch.device("meta"):
                 nn.Linear(4, 4)
+
+
+def test_a_whole_model_conversion_before_initialize_stays_bounded(disk_dir):
+    """model.double() assigns every converted parameter to .data (Module._apply): each is re-partitioned at the
+    next op, so at most two full parameters exist; the values keep the conversion's rounding."""
+    cfg = cfg_for("nvme", disk_dir)
+    torch.manual_seed(0)
+    plain = NanoGPT().double().float()
+    torch.manual_seed(0)
+    with zero_init(cfg):
+        model = NanoGPT()
+    store = next(iter(model.parameters()))._infinity.extra["store"]
+    seen = []
+    orig = store.adopt_reassigned
+
+    def counting(mps):
+        mps = list(mps)
+        seen.append(sum(1 for mp in store.params if mp.reassigned()))
+        return orig(mps)
+
+    store.adopt_reassigned = counting
+    model.double()
+    store.adopt_reassigned = orig
+    assert max(seen) <= 2, f"{max(seen)} full parameters were held at once"
+    assert_same_values(plain, model)
+    initialize(model, cfg).close()

@@ -153,13 +153,16 @@ def test_peft_lora_on_a_partitioned_from_pretrained_model(tier, tmp_path, disk_d
 
 
 def test_a_lora_checkpoint_resumes_exactly_on_nvme(tmp_path, disk_dir):
-    """Adapters' state and the lr in the checkpoint; the frozen base comes back from from_pretrained."""
+    """The checkpoint holds the adapters' state and the frozen base weights: it resumes exactly into a model
+    built at random (not from the pretrained weights)."""
     path = saved(tmp_path, llama_config())
     cfg = cfg_for("nvme", disk_dir, largest=256 * 64)
 
-    def build():
+    def build(pretrained=True):
+        torch.manual_seed(11)
         with zero_init(cfg):
-            base = transformers.AutoModelForCausalLM.from_pretrained(path)
+            base = (transformers.AutoModelForCausalLM.from_pretrained(path) if pretrained else
+                    transformers.AutoModelForCausalLM.from_config(llama_config()))
         return initialize(lora(base), cfg)
 
     def step(engine, s):
@@ -177,10 +180,52 @@ def test_a_lora_checkpoint_resumes_exactly_on_nvme(tmp_path, disk_dir):
         want = [step(engine, s) for s in range(3, 6)]
     finally:
         engine.close()
-    engine = build()
+    engine = build(pretrained=False)
     try:
         engine.load_checkpoint(tmp_path / "ckpt")
         got = [step(engine, s) for s in range(3, 6)]
     finally:
         engine.close()
     assert got == want
+
+
+def test_export_hf_gives_from_pretrained_the_trained_weights(tmp_path, disk_dir):
+    from infinity.cli import main
+
+    path = saved(tmp_path, gpt2_config())  # a tied head: exported once, tied again by from_pretrained
+    cfg = cfg_for("nvme", disk_dir, largest=256 * 64)
+    with zero_init(cfg):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    engine = initialize(model, cfg)
+    try:
+        for s in range(2):
+            args, kw = tokens(s)
+            engine.backward(engine(*args, **kw).loss)
+            engine.step()
+        with gathered_parameters(model):
+            trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+    assert main(["checkpoint", "export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf"),
+                 "--max-shard-size", "100KB"]) == 0
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists(), "sharded above --max-shard-size"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert back.lm_head.weight is back.transformer.wte.weight
+    for n, p in back.named_parameters():
+        assert torch.equal(p, trained[n]), f"{n}: the exported weights are not the trained ones"
+
+
+def test_export_hf_of_a_non_hf_checkpoint_says_what_to_do(tmp_path, disk_dir):
+    from infinity.checkpoint.export import export_hf
+    from infinity.checkpoint.layout import CheckpointError
+
+    cfg = cfg_for("none", disk_dir)
+    engine = initialize(torch.nn.Linear(4, 4), cfg)
+    try:
+        engine.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+    with pytest.raises(CheckpointError, match=r"not saved from a Hugging Face PreTrainedModel .* export a state_dict "
+                                              r"instead: infinity checkpoint export DIR model.safetensors"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf")
