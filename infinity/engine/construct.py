@@ -38,7 +38,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # Ops that overwrite every element of their first argument without reading it: the old shard need not be
@@ -175,11 +175,19 @@ class PartitionedAccess(TorchDispatchMode):
         return self.active and store is not None and not store.frozen and store.swap_open()
 
     def close(self) -> None:
-        """Stop intercepting; leave the dispatch stack if this mode is on top of it."""
+        """Stop intercepting and leave the dispatch stack, wherever on it this mode is: the modes entered after
+        it are exited and entered again around its exit, so every mode's bookkeeping stays in order."""
         self.active = False
         self.views.clear()
-        if _get_current_dispatch_mode() is self:
-            self.__exit__(None, None, None)
+        stack = _get_current_dispatch_mode_stack()
+        if self not in stack:
+            return
+        above = stack[stack.index(self) + 1:]
+        for mode in reversed(above):
+            mode.__exit__(None, None, None)
+        self.__exit__(None, None, None)
+        for mode in above:
+            mode.__enter__()
 
 
 def _written_tensors(func, args, kwargs) -> set[int]:

@@ -27,9 +27,9 @@ import torch
 from infinity.engine.build import as_config, build_store
 from infinity.engine.comm import init_distributed
 from infinity.engine.memory import return_freed_memory_to_os
-from infinity.engine.construct import PartitionedAccess
+from infinity.engine.construct import PartitionedAccess, end_access
 from infinity.engine.params import ParamStatus, managed
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _active = threading.local()
 
@@ -95,6 +95,9 @@ def zero_init(config=None):
     _active.store = store
     try:
         yield store
+    except BaseException:
+        end_access(store)  # the build failed: nothing of it will be initialized
+        raise
     finally:
         _active.store = None
         for cls, name, orig in reversed(patched):
@@ -107,11 +110,9 @@ def zero_init(config=None):
 
 def _end_stale_access() -> None:
     """Drop access modes whose store is gone or was closed without initialize (they only pass ops through)."""
-    while True:
-        mode = _get_current_dispatch_mode()
-        if not isinstance(mode, PartitionedAccess) or mode.live():
-            return
-        mode.close()
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, PartitionedAccess) and not mode.live():
+            mode.close()
 
 
 def _partition(store, module) -> None:

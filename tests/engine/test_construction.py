@@ -465,3 +465,30 @@ def test_a_whole_model_conversion_before_initialize_stays_bounded(disk_dir):
     assert max(seen) <= 2, f"{max(seen)} full parameters were held at once"
     assert_same_values(plain, model)
     initialize(model, cfg).close()
+
+
+def test_two_models_built_then_initialized_in_either_order_leave_no_mode_behind(disk_dir):
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from infinity.engine.construct import PartitionedAccess
+
+    cfg = cfg_for("cpu", disk_dir)
+    with zero_init(cfg) as policy_store:
+        policy = NanoGPT()
+    with zero_init(cfg) as reference_store:
+        reference = NanoGPT()
+    modes = [policy_store.access, reference_store.access]
+    nn.init.zeros_(policy.lm_head.weight)  # both access modes are live: the policy's write lands
+    first = initialize(policy, cfg)  # its mode is under the reference's
+    try:
+        with gathered_parameters(policy.lm_head):
+            assert bool((policy.lm_head.weight == 0).all())
+        nn.init.ones_(reference.lm_head.weight)
+        second = initialize(reference, cfg)
+        with gathered_parameters(reference.lm_head):
+            assert bool((reference.lm_head.weight == 1).all())
+        second.close()
+    finally:
+        first.close()
+    assert all(isinstance(m, PartitionedAccess) for m in modes)
+    assert not any(m in _get_current_dispatch_mode_stack() for m in modes)

@@ -60,10 +60,13 @@ def _rank_main(rank, world, port, kind, tier, disk, out_path, hf_dir):
                     losses.append(t.item() / world)
             else:
                 losses = _train_my_half(engine, STEPS)
+            engine.save_checkpoint(f"{disk}/ckpt")
+            with gathered_parameters(model):
+                trained = {n: p.detach().clone() for n, p in model.named_parameters()}
         finally:
             engine.close()
         if rank == 0:
-            torch.save({"values": values, "losses": losses}, out_path)
+            torch.save({"values": values, "losses": losses, "trained": trained}, out_path)
 
 
 def _spawn(kind, tier, disk_dir, tmp_path, hf_dir=None):
@@ -83,6 +86,19 @@ def test_two_ranks_build_the_plain_values_and_train_like_torch(kind, tier, disk_
         assert torch.equal(p, got["values"][n]), f"{n} differs from a plain build on 2 ranks"
     want = plain_losses(plain, lm_batch, two_groups(plain) if kind == "nanogpt" else None)
     assert_close(want, got["losses"])
+    # Resharded 2 -> 1: the same weights, and every parameter group's lr.
+    cfg = cfg_for(tier, str(disk_dir))
+    with zero_init(cfg):
+        model = {"nanogpt": NanoGPT, "parent": ParentInit}[kind]()
+    engine = initialize(model, cfg, model_parameters=two_groups(model) if kind == "nanogpt" else None)
+    try:
+        engine.load_checkpoint(disk_dir / "ckpt")
+        with gathered_parameters(model):
+            for n, p in model.named_parameters():
+                assert torch.equal(p, got["trained"][n]), f"{n} differs after a 2 -> 1 reshard"
+        assert [g["lr"] for g in engine.optimizer.param_groups] == ([1e-3, 3e-3] if kind == "nanogpt" else [1e-3])
+    finally:
+        engine.close()
 
 
 def test_two_ranks_stream_from_pretrained(disk_dir, tmp_path):
