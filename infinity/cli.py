@@ -1,4 +1,4 @@
-"""The `infinity` command: train, tune, plan, info, checkpoint export|info, bench io|adam|swap|train|plan|checkpoint."""
+"""The `infinity` command: train, tune, plan, info, checkpoint export|info, bench io|adam|swap|train|plan|checkpoint|peft."""
 
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     from infinity.bench import checkpoint as bench_ckpt
 
     bench_ckpt.add_arguments(bsub.add_parser("checkpoint", help="checkpoint save/load GB/s vs fio; memory"))
+    from infinity.bench import peft as bench_peft
+
+    bench_peft.add_arguments(bsub.add_parser("peft", help="LoRA on frozen offloaded weights vs full training"))
     return p
 
 
@@ -105,6 +108,10 @@ def _dispatch(args) -> int:
         from infinity.bench import checkpoint as bench_ckpt
 
         return bench_ckpt.run(args)
+    if args.cmd == "bench" and args.what == "peft":
+        from infinity.bench import peft as bench_peft
+
+        return bench_peft.run(args)
     if args.cmd == "bench" and args.what == "train":
         from infinity.bench import train as bench_train
 
