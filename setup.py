@@ -9,6 +9,7 @@ the pure-Python I/O backend with one warning.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -17,6 +18,7 @@ from glob import glob
 
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -73,6 +75,18 @@ def _native_extension():
     )
 
 
+class BuildPyWithConfigs(build_py):
+    """The shipped swap configs go into the package (infinity/swap_configs/), so an installed package has them;
+    swap_configs/ at the top of the tree stays their source (see infinity/config/shipped.py)."""
+
+    def run(self):
+        super().run()
+        dst = os.path.join(self.build_lib, "infinity", "swap_configs")
+        os.makedirs(dst, exist_ok=True)
+        for src in sorted(glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "swap_configs", "*.json"))):
+            shutil.copy(src, dst)
+
+
 class OptionalBuildExt(build_ext):
     """A failed native build leaves a working pure-Python package."""
 
@@ -109,7 +123,7 @@ setup(
     description="Memory-offload engine for training PyTorch models larger than device and host memory",
     packages=find_packages(include=["infinity", "infinity.*"]),
     ext_modules=_extensions(),
-    cmdclass={"build_ext": OptionalBuildExt},
+    cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithConfigs},
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy"],
     extras_require={"test": ["pytest", "hypothesis", "safetensors", "zarr>=3"], "plot": ["matplotlib"],

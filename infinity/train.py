@@ -22,12 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_CONFIGS = Path(__file__).resolve().parents[1] / "swap_configs"
-
-
 def add_arguments(p) -> None:
-    p.add_argument("--config", default=str(REPO_CONFIGS / "nvme_offload.json"),
-                   help="swap config (default: swap_configs/nvme_offload.json)")
+    p.add_argument("--config", default=None,
+                   help="swap config (default: the shipped nvme_offload.json: parameters and optimizer on NVMe)")
     p.add_argument("--model", default="gpt-small",
                    help="a preset (gpt-tiny, gpt-small, gpt-25m, gpt-57m, gpt-100m, gpt-125m, gpt-350m, gpt-1b, gpt-2b) or a Hugging Face "
                         "config.json (no download)")
@@ -50,6 +47,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if args.config is None:
+        from infinity.config.shipped import shipped_config
+
+        args.config = str(shipped_config("nvme_offload.json"))
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.seq is not None and args.seq < 1:
@@ -246,10 +247,11 @@ def _train(args, out: Path, nvme: str) -> int:
     if rank == 0 and not rows:
         print(f"nothing to train: the checkpoint is already at step {start} of --steps {args.steps}")
     elif rank == 0:
-        _plot(rows, out / "metrics.png", args.model)
+        plotted = _plot(rows, out / "metrics.png", args.model)
         first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / len(rows[-5:])
-        print(f"\nloss {first:.3f} -> {last:.3f} (mean of the last 5 steps); metrics in {out}/metrics.jsonl, "
-              f"plot in {out}/metrics.png")
+        print(f"\nloss {first:.3f} -> {last:.3f} (mean of the last 5 steps); metrics in {out}/metrics.jsonl, " + (
+              f"plot in {out}/metrics.png" if plotted else "no plot (matplotlib is not installed: "
+              "pip install matplotlib)"))
     return 0
 
 
@@ -295,15 +297,15 @@ def _progress(row: dict, steps: int) -> None:
     print(line, end=end, flush=True)
 
 
-def _plot(rows: list, path: Path, title: str) -> None:
+def _plot(rows: list, path: Path, title: str) -> bool:
+    """The loss and step-time plot; False (and nothing written) without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("(matplotlib is not installed: no plot)")
-        return
+        return False
     steps = [r["step"] for r in rows]
     io = [r["exposed_io_s"] for r in rows]
     comm = [r["comm_s"] for r in rows]
@@ -321,3 +323,4 @@ def _plot(rows: list, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return True

@@ -94,3 +94,13 @@ def test_bench_train_smoke_json():
     assert result["ratio"] > 0 and result["nvme"]["hit_rate"] >= 0.95
     # 32 with fp32; the tied embedding is read three times (embedding, head, head's backward): +1 here
     assert 25 <= result["nvme"]["bytes_per_param"] <= 34
+
+
+def test_without_matplotlib_train_says_there_is_no_plot(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; from infinity.cli import main; "
+            f"sys.exit(main(['train', '--model', 'gpt-tiny', '--steps', '2', '--seq', '32', '--out', {str(tmp_path)!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert "no plot (matplotlib is not installed: pip install matplotlib)" in last and "metrics.png" not in last
+    assert not (tmp_path / "metrics.png").exists() and (tmp_path / "metrics.jsonl").exists()

@@ -39,12 +39,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from infinity.train import REPO_CONFIGS
+    from infinity.config.shipped import shipped_config
 
     parse_size(args.memory_budget, name="--memory-budget")
     if args.steps < 2:
         raise ValueError(f"--steps must be >= 2 (the first step records the trace), got {args.steps}")
-    config = args.config or str(REPO_CONFIGS / "huge_2b.json")
+    config = args.config or str(shipped_config("huge_2b.json"))
     keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="infinity-bench-plan."))
     try:
         return _run(args, config, keep)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installed the way users install: build the wheel, install it into a fresh venv, and from outside the
+# repo run `infinity info` and a short `infinity train` on the shipped default config. The venv sees the
+# system's site-packages for torch (a second torch install would cost a minute and a GB); the check below
+# makes sure `infinity` itself is the wheel's, not the source tree's editable install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work=$(mktemp -d /var/tmp/infinity-wheel.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+python3 -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$work/dist" .
+python3 -m venv --system-site-packages "$work/venv"
+"$work/venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$work"/dist/infinity-*.whl
+cd "$work"
+"$work/venv/bin/python" - <<'PY'
+import sys, infinity
+assert infinity.__file__.startswith(sys.prefix), f"imported {infinity.__file__}, not the wheel in {sys.prefix}"
+from infinity.config.shipped import shipped_config
+assert str(shipped_config("nvme_offload.json")).startswith(sys.prefix)
+print("wheel check: infinity", infinity.__version__, "from", infinity.__file__)
+PY
+"$work/venv/bin/infinity" info --dir "$work"
+"$work/venv/bin/infinity" train --model gpt-tiny --steps 3 --seq 32 --out "$work/run"
+test -s "$work/run/metrics.jsonl"
+echo "wheel check: passed"
