@@ -17,7 +17,8 @@ import typing
 import warnings
 
 from infinity.config import schema
-from infinity.config.schema import ALIASES, DEEPSPEED_ACCEPTED, Config
+from infinity.config.schema import (ALIASES, DEEPSPEED_ACCEPTED, INERT_REASONS, REFUSED_WHEN_ON, Config,
+                                    SchedulerConfig)
 from infinity.errors import ConfigError
 from infinity.units import parse_size
 
@@ -33,14 +34,43 @@ def load_config(source, *, nvme_path: str | os.PathLike | None = None) -> Config
         raise ConfigError("", f"{origin}: the top level must be a JSON object, got {type(raw).__name__}")
     if nvme_path is not None:
         raw = _override_nvme(raw, os.fspath(nvme_path))
-    ignored: list[str] = []
-    cfg = _build(Config, raw, "", ignored)
-    cfg = dataclasses.replace(cfg, ignored=tuple(ignored))
+    notes = _Notes()
+    cfg = _build(Config, raw, "", notes)
+    cfg = dataclasses.replace(cfg, ignored=tuple(notes.ignored), auto=tuple(notes.auto),
+                              optimizer_given="optimizer" in raw)
+    cfg = _legacy(cfg)
     _check_semantics(cfg)
     _check_paths(cfg)
-    if ignored:
-        warnings.warn(f"infinity: these DeepSpeed keys are accepted but have no effect: {', '.join(ignored)}",
+    if notes.ignored:
+        warnings.warn("infinity: these DeepSpeed keys have no effect here: " + "; ".join(notes.ignored),
                       stacklevel=2)
+    if notes.auto:
+        warnings.warn('infinity: "auto" (a Hugging Face Trainer placeholder) took DeepSpeed\'s default for '
+                      + ", ".join(notes.auto) + "; bucket sizes are derived from the model's hidden_size at "
+                      "initialize, batch sizes from the others (or the training data)", stacklevel=2)
+    return cfg
+
+
+@dataclasses.dataclass
+class _Notes:
+    """What loading a config found besides values: keys without effect here, and keys given as "auto"."""
+
+    ignored: list = dataclasses.field(default_factory=list)
+    auto: list = dataclasses.field(default_factory=list)
+
+
+_AUTO = object()
+
+
+def _legacy(cfg: Config) -> Config:
+    """DeepSpeed's older spellings that mean a newer key: zero_optimization.cpu_offload."""
+    zero = cfg.zero_optimization
+    if zero.cpu_offload:
+        if zero.offload_optimizer.device == "nvme":
+            raise ConfigError("zero_optimization.cpu_offload", "is true (optimizer state on the CPU) but "
+                              'offload_optimizer.device is "nvme"; keep one of them')
+        zero = dataclasses.replace(zero, offload_optimizer=dataclasses.replace(zero.offload_optimizer, device="cpu"))
+        cfg = dataclasses.replace(cfg, zero_optimization=zero)
     return cfg
 
 
@@ -76,7 +106,7 @@ def _override_nvme(raw: dict, path: str) -> dict:
 
 # ---------------------------------------------------------------- building
 
-def _build(cls, raw, path: str, ignored: list):
+def _build(cls, raw, path: str, notes: _Notes):
     if not isinstance(raw, dict):
         raise ConfigError(path, f"must be a JSON object, got {_describe(raw)}")
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
@@ -93,12 +123,28 @@ def _build(cls, raw, path: str, ignored: list):
         spelled[name] = key
         if name not in fields:
             if key in accepted:
-                ignored.append(where)
+                _accepted(where, value, notes)
                 continue
             raise ConfigError(where, _unknown(key, list(fields) + list(aliases)))
         f = fields[name]
-        values[name] = _value(hints[name], f, value, where, ignored)
+        v = _value(hints[name], f, value, where, notes)
+        if v is _AUTO:
+            notes.auto.append(where)
+            continue
+        if where in INERT_REASONS:
+            notes.ignored.append(f"{where} ({INERT_REASONS[where]})")
+        values[name] = v
     return cls(**values)
+
+
+def _accepted(where: str, value, notes: _Notes) -> None:
+    """A DeepSpeed key infinity does not act on: refused if it would change training, else noted with why."""
+    if where in REFUSED_WHEN_ON:
+        on = value.get("enabled", False) if isinstance(value, dict) else bool(value)
+        if on:
+            raise ConfigError(where, REFUSED_WHEN_ON[where])
+    reason = INERT_REASONS.get(where, "a DeepSpeed setting of its own internals, with nothing to set here")
+    notes.ignored.append(f"{where} ({reason})")
 
 
 def _unknown(key: str, valid: list[str]) -> str:
@@ -117,18 +163,19 @@ def _describe(value) -> str:
     return f"{type(value).__name__} {json.dumps(value)}" if isinstance(value, (int, float)) else type(value).__name__
 
 
-def _value(hint, f: dataclasses.Field, value, where: str, ignored: list):
+def _value(hint, f: dataclasses.Field, value, where: str, notes: _Notes):
     meta = f.metadata
+    if meta.get("kind") == "scheduler":
+        return _scheduler(value, where, notes)
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where, ignored)
+        return _build(hint, value, where, notes)
     optional = type(None) in typing.get_args(hint)
     if value is None:
         if optional:
             return None
         raise ConfigError(where, "must not be null; remove the key to use the default")
     if value == "auto" and "auto" not in (meta.get("choices") or ()):
-        raise ConfigError(where, '"auto" is filled in by the Hugging Face Trainer, not by DeepSpeed or infinity; '
-                                 "give a value")
+        return _AUTO  # see [Note: auto] in resolve.py
     base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
     kind = meta.get("kind")
     if kind == "betas":
@@ -151,6 +198,23 @@ def _value(hint, f: dataclasses.Field, value, where: str, ignored: list):
             raise ConfigError(where, f"must be a number, got {_describe(value)}")
         return _checked_number(float(value), meta, where)
     raise AssertionError(f"unhandled type {hint} for {where}")
+
+
+def _scheduler(value, where: str, notes: _Notes):
+    from infinity.optim.schedules import check_scheduler
+
+    if not isinstance(value, dict):
+        raise ConfigError(where, f"must be a JSON object with type and params, got {_describe(value)}")
+    unknown = set(value) - {"type", "params"}
+    if unknown:
+        raise ConfigError(f"{where}.{sorted(unknown)[0]}", "unknown key; a scheduler section has type and params")
+    params = value.get("params", {}) or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{where}.params", f"must be a JSON object, got {_describe(params)}")
+    auto = [k for k, v in params.items() if v == "auto"]
+    notes.auto.extend(f"{where}.params.{k}" for k in auto)
+    kind, checked = check_scheduler(value.get("type"), {k: v for k, v in params.items() if k not in auto}, where)
+    return SchedulerConfig(type=kind, params=checked)
 
 
 def _integer(value, where: str) -> int:
@@ -221,7 +285,11 @@ def _check_semantics(cfg: Config) -> None:
                               'is required when device is "nvme"; point it at a directory on a fast disk')
     if cfg.optimizer.params.amsgrad:
         raise ConfigError("optimizer.params.amsgrad", "amsgrad is not supported; set it to false or remove it")
-    tb, mb, acc = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    if zero.offload_optimizer.ratio < 1.0:
+        raise ConfigError("zero_optimization.offload_optimizer.ratio",
+                          f"partial optimizer offload ({zero.offload_optimizer.ratio}) is not supported yet: the "
+                          "whole optimizer state is offloaded or none of it; set it to 1.0 or remove it")
+    tb, mb, acc = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps or 1
     if tb is not None and mb is not None and tb % (mb * acc) != 0:
         raise ConfigError("train_batch_size",
                           f"{tb} is not a multiple of train_micro_batch_size_per_gpu x gradient_accumulation_steps "
@@ -244,8 +312,12 @@ def _check_paths(cfg: Config) -> None:
             continue
         key = f"zero_optimization.{name}.nvme_path"
         path = section.nvme_path
-        if not os.path.exists(path):
-            raise ConfigError(key, f"{path} does not exist; create it or point nvme_path at an existing directory")
+        if not os.path.exists(path):  # DeepSpeed creates it too
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(key, f"{path} does not exist and cannot be created ({exc.strerror}); point "
+                                       "nvme_path at a directory on a fast disk that you can write") from None
         if not os.path.isdir(path):
             raise ConfigError(key, f"{path} is not a directory")
         try:

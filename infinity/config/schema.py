@@ -57,7 +57,7 @@ class OffloadOptimizerConfig:
     fast_init: bool = spec(False)
     """DeepSpeed: skip writing initial state through the swapper (accepted; state is always written)."""
     ratio: float = spec(1.0, low=0.0, high=1.0)
-    """Fraction of the optimizer state to offload (1.0 = all)."""
+    """Fraction of the optimizer state to offload; only 1.0 (all) is supported yet, a smaller one is refused."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,12 +80,14 @@ class ZeroConfig:
     """Keep a gathered parameter if it is reused within this many elements of compute."""
     stage3_param_persistence_threshold: int = spec(100_000, low=0, high=1 << 50)
     """Parameters smaller than this stay gathered."""
-    reduce_bucket_size: int = spec(500_000_000, low=1, high=1 << 50)
-    """Elements per gradient reduce-scatter bucket."""
+    reduce_bucket_size: int = spec(500_000_000, low=0, high=1 << 50)
+    """Elements per gradient reduce-scatter bucket (0: one parameter per bucket)."""
     overlap_comm: bool = spec(False)
     """Overlap gradient communication with backward."""
     contiguous_gradients: bool = spec(True)
     """Copy gradients into one contiguous buffer as they are produced."""
+    cpu_offload: bool = spec(False)
+    """DeepSpeed's older switch for offload_optimizer.device = "cpu" (stages 1-2)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,6 +186,16 @@ class InfinityConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    """scheduler: {"type": ..., "params": {...}}, checked against the scheduler's own parameters."""
+
+    type: str
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest."""
+    params: dict
+    """The scheduler's parameters with DeepSpeed's names; missing ones take DeepSpeed's defaults."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     """A whole swap config: DeepSpeed's top-level keys plus `infinity`."""
 
@@ -191,8 +203,9 @@ class Config:
     """Global batch: micro batch x accumulation steps x ranks."""
     train_micro_batch_size_per_gpu: int | None = spec(None, low=1)
     """Samples per rank per forward/backward."""
-    gradient_accumulation_steps: int = spec(1, low=1)
-    """Micro-batches per optimizer step."""
+    gradient_accumulation_steps: int | None = spec(None, low=1)
+    """Micro-batches per optimizer step; derived from the other two batch keys when absent (1 if they say
+    nothing); see [Note: batch sizes] in resolve.py."""
     gradient_clipping: float = spec(0.0, low=0.0)
     """Clip the global gradient norm to this (0 = off)."""
     fp16: Fp16Config = spec(None, default_factory=Fp16Config)
@@ -205,18 +218,26 @@ class Config:
     """ZeRO stage and offload."""
     aio: AioConfig = spec(None, default_factory=AioConfig)
     """Async I/O settings."""
+    scheduler: SchedulerConfig | None = spec(None, kind="scheduler")
+    """DeepSpeed's lr scheduler section (infinity/optim/schedules.py): WarmupLR, WarmupDecayLR,
+    WarmupCosineLR, OneCycle or LRRangeTest, with DeepSpeed's formulas."""
     infinity: InfinityConfig = spec(None, default_factory=InfinityConfig)
     """infinity's own settings."""
     ignored: tuple = field(default=(), metadata={"internal": True})
-    """DeepSpeed keys that were accepted but have no effect here (filled by the loader)."""
+    """DeepSpeed keys that were accepted but have no effect here, each as "key (why)" (filled by the loader)."""
+    auto: tuple = field(default=(), metadata={"internal": True})
+    """Dotted keys given as "auto" (see [Note: auto] in resolve.py)."""
+    optimizer_given: bool = field(default=True, metadata={"internal": True})
+    """False when the config had no optimizer section (the default AdamW is then said once)."""
 
 
 # Aliases: DeepSpeed's older spellings of a key.
-ALIASES = {"aio": {"thread_count": "intra_op_parallelism"}, "bf16": {}, "zero_optimization": {}}
+ALIASES = {"": {"bfloat16": "bf16"}, "aio": {"thread_count": "intra_op_parallelism"}, "bf16": {},
+           "zero_optimization": {}}
 
 # Keys DeepSpeed accepts that infinity does not act on (yet): loaded, reported, ignored.
 DEEPSPEED_ACCEPTED = {
-    "": {"steps_per_print", "wall_clock_breakdown", "scheduler", "zero_allow_untested_optimizer",
+    "": {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
          "dump_state", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "amp",
          "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
          "communication_data_type", "zero_force_ds_cpu_optimizer", "data_types", "memory_breakdown"},
@@ -224,7 +245,7 @@ DEEPSPEED_ACCEPTED = {
                           "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save",
                           "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters",
                           "elastic_checkpoint", "zero_hpz_partition_size", "zero_quantized_weights",
-                          "zero_quantized_gradients", "cpu_offload", "load_from_fp32_weights",
+                          "zero_quantized_gradients", "load_from_fp32_weights",
                           "memory_efficient_linear", "stage3_module_granularity_threshold", "mics_shard_size",
                           "log_trace_cache_warnings", "offload_param_nvme_path"},
     "fp16": {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"},
@@ -232,4 +253,41 @@ DEEPSPEED_ACCEPTED = {
     "aio": {"use_gds"},
     "optimizer.params": {"torch_adam", "fused"},
     "zero_optimization.offload_optimizer": {"max_in_cpu"},
+}
+
+# Why an accepted key has no effect here (said once, with the key). Keys not listed get the generic reason.
+INERT_REASONS = {
+    "zero_optimization.overlap_comm": "gradient reduce-scatters always run asynchronously, one bucket in flight",
+    "zero_optimization.contiguous_gradients": "gradients always land in one flat fp32 buffer per sub-group",
+    "zero_optimization.offload_optimizer.pipeline_read": "NVMe sub-groups are always read ahead while Adam runs",
+    "zero_optimization.offload_optimizer.pipeline_write": "NVMe sub-groups are always written behind Adam",
+    "zero_optimization.offload_optimizer.fast_init": "the initial state is written once either way",
+    "zero_optimization.offload_param.max_in_cpu": "not implemented yet: with device nvme every parameter shard "
+                                                  "lives on NVMe (DeepSpeed keeps up to this many elements in host "
+                                                  "memory), so host memory use is lower and I/O higher",
+    "zero_optimization.offload_optimizer.max_in_cpu": "DeepSpeed does not read it for the optimizer either",
+    "steps_per_print": "infinity train prints every step; the engine reports each step in engine.last_report",
+    "wall_clock_breakdown": "engine.last_report always carries the step's time split",
+    "prescale_gradients": "gradients are averaged in fp32, where the order does not matter",
+    "gradient_predivide_factor": "gradients are averaged in fp32, where the order does not matter",
+    "communication_data_type": "gradients are reduced in fp32",
+    "zero_optimization.allgather_bucket_size": "parameters are gathered one at a time, ahead of use",
+    "zero_optimization.allgather_partitions": "parameters are gathered one at a time, ahead of use",
+    "zero_optimization.reduce_scatter": "gradients are always reduce-scattered",
+    "zero_optimization.round_robin_gradients": "each rank owns one shard of every parameter",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "the 16-bit model is gathered on save either way",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "the 16-bit model is gathered on save either way",
+    "zero_optimization.ignore_unused_parameters": "a parameter without a gradient is stepped with a zero gradient",
+    "optimizer.params.torch_adam": "the CPU Adam kernel is always used (same math as torch.optim.AdamW)",
+    "optimizer.params.fused": "the CPU Adam kernel is always used (same math as torch.optim.AdamW)",
+}
+
+# Accepted keys that would change training when switched on, which infinity does not do: refused then.
+REFUSED_WHEN_ON = {
+    "amp": "NVIDIA apex AMP is not supported; use bf16 or fp16",
+    "zero_optimization.zero_quantized_weights": "quantized weight gathers are not supported; remove it",
+    "zero_optimization.zero_quantized_gradients": "quantized gradient reduction is not supported; remove it",
+    "fp16.fp16_master_weights_and_grads": "master weights are always fp32; remove it",
+    "fp16.auto_cast": "inputs are cast to the compute dtype by the engine; remove it",
+    "sparse_gradients": "sparse gradients are not supported; remove it",
 }

@@ -9,12 +9,15 @@ The data path of one optimizer step:
 
 from __future__ import annotations
 
+import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from infinity.config import Config
+from infinity.config.resolve import resolve_auto, resolve_batch
 from infinity.engine.build import as_config, build_store
 from infinity.engine.construct import end_access
 from infinity.engine.comm import init_distributed
@@ -24,6 +27,9 @@ from infinity.engine.memory import return_freed_memory_to_os
 from infinity.engine.optimizer import ShardedAdam
 from infinity.engine.params import ParamStore, managed
 from infinity.engine.zero_init import current_store
+
+
+log = logging.getLogger("infinity")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,9 +88,11 @@ class Engine:
         self.optimizer = optimizer
         self.hooks = hooks
         self.scaler = LossScaler.from_config(cfg.fp16)
-        self.lr_scheduler = lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(
-            lr_scheduler, "step") else lr_scheduler
-        self.gas = cfg.gradient_accumulation_steps
+        self.lr_scheduler = _lr_scheduler(cfg, optimizer, lr_scheduler)
+        self.batch = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                                   cfg.gradient_accumulation_steps, self.comm.world)
+        """The three batch sizes for this world size (see [Note: batch sizes] in config/resolve.py)."""
+        self.gas = self.batch.gradient_accumulation_steps
         self.micro_steps = 0
         self.micro_steps_at_last_step = 0  # save_checkpoint refuses while a backward's gradients are pending
         self.global_steps = 0
@@ -246,6 +254,22 @@ class Engine:
         self.close()
 
 
+def _lr_scheduler(cfg: Config, optimizer, client):
+    """The config's scheduler section, as DeepSpeed does it, takes precedence over a scheduler passed in (said
+    once); a callable passed in is called with the optimizer."""
+    if cfg.scheduler is not None:
+        from infinity.optim.schedules import build_scheduler
+
+        if client is not None:
+            warnings.warn(f"infinity: the config's scheduler section ({cfg.scheduler.type}) is used, as DeepSpeed "
+                          "uses it, and the lr_scheduler passed to initialize is not; remove one of them",
+                          stacklevel=3)
+        return build_scheduler(cfg.scheduler, optimizer)
+    if callable(client) and not hasattr(client, "step"):
+        return client(optimizer)
+    return client
+
+
 def _cast_floats(obj, dtype, device):
     if isinstance(obj, torch.Tensor):
         obj = obj.to(device)
@@ -270,12 +294,20 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     """
     from infinity.swap import SwapContext
 
-    cfg = as_config(config)
+    cfg = resolve_auto(as_config(config), model)
     return_freed_memory_to_os()
     comm = init_distributed(cfg.infinity.comm_timeout_s)
     store = next((managed(p).extra["store"] for p in model.parameters() if managed(p) is not None), None)
     if store is None:
         store = current_store() or build_store(cfg, comm)
+    store.reduce_bucket = cfg.zero_optimization.reduce_bucket_size  # "auto" may have been filled from the model
+    if store.scheduler is not None:
+        store.scheduler.bucket = cfg.zero_optimization.stage3_prefetch_bucket_size
+    if not cfg.optimizer_given:
+        hp = cfg.optimizer.params
+        log.warning("infinity: the config has no optimizer section: training with %s lr %g, betas %s, eps %g, "
+                    "weight_decay %g (add an optimizer section to choose)", cfg.optimizer.type, hp.lr,
+                    tuple(hp.betas), hp.eps, hp.weight_decay)
     groups = param_groups(model, model_parameters)
     trained = {id(p) for g in groups for p in g["params"]}
     for name, p in reversed(list(model.named_parameters())):  # full names in messages from here on
