@@ -86,7 +86,7 @@ def resolve(directory, tag: str | None = None) -> tuple[str, dict]:
     return root, m
 
 
-def check_compatible(engine, m: dict, root: str, module_only: bool = False) -> None:
+def check_compatible(engine, m: dict, root: str, module_only: bool = False, optimizer_states: bool = True) -> None:
     """Names and shapes of every partitioned parameter and buffer must match; raises naming the first few that do not."""
     saved = {p["name"]: p for p in m["params"]}
     mine = {mp.name: mp for mp in engine.store.params}
@@ -96,7 +96,7 @@ def check_compatible(engine, m: dict, root: str, module_only: bool = False) -> N
     for name in saved.keys() - mine.keys():
         problems.append(f"checkpoint parameter {name} is not in the model")
     for name in mine.keys() & saved.keys():
-        if mine[name].trainable and saved[name].get("frozen") and not module_only:
+        if mine[name].trainable and saved[name].get("frozen") and not module_only and optimizer_states:
             problems.append(f"parameter {name} was frozen when saved, so the checkpoint has no optimizer state for "
                             "it; pass load_module_only=True, or freeze it (requires_grad=False) as it was")
         if list(mine[name].shape) != list(saved[name]["shape"]):
@@ -132,12 +132,13 @@ def my_reads(engine, m: dict):
 
 
 def load(engine, directory, tag: str | None = None, *, verify: bool = True, module_only: bool = False,
-         lr_scheduler: bool = True) -> tuple[str, object]:
+         lr_scheduler: bool = True, optimizer_states: bool = True) -> tuple[str, object]:
     """See Engine.load_checkpoint and [Note: verify before load]."""
     comm = engine.comm
     root, m = _lookup(comm, directory, tag)
-    states = STATES[:1] if module_only else STATES
-    apply = together(comm, "check", lambda: (check_compatible(engine, m, root, module_only),
+    states = STATES[:1] if module_only or not optimizer_states else STATES
+    client_state = _client_state(m, root)
+    apply = together(comm, "check", lambda: (check_compatible(engine, m, root, module_only, optimizer_states),
                                              _prepare_restore(engine, m, root, module_only, lr_scheduler))[1])
     io = open_io(engine.config, root)
     reader = ChunkReader(io)
@@ -149,7 +150,18 @@ def load(engine, directory, tag: str | None = None, *, verify: bool = True, modu
         io.close()
     engine.store.refresh_persistent()  # collective: only once every rank has loaded
     apply()
-    return root, m.get("client_state")
+    if not optimizer_states:  # fresh moments: Adam starts counting again, as DeepSpeed's re-created optimizer
+        engine.optimizer.step_count = 0
+    return root, client_state
+
+
+def _client_state(m: dict, root: str):
+    if "client_state_pickle" not in m:
+        return m.get("client_state")
+    try:  # as torch.load(weights_only=False) would: a checkpoint is trusted input (see Engine.save_checkpoint)
+        return pickle.loads(base64.b64decode(m["client_state_pickle"]))
+    except Exception as exc:  # noqa: BLE001 - any failure means the stored bytes are unusable
+        raise CheckpointError(f"checkpoint {root}: its client_state cannot be unpickled ({exc})") from None
 
 
 def _lookup(comm, directory, tag):
@@ -194,7 +206,7 @@ def _load(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
                 s, lo, hi, pieces = plan[id(mp)]
                 for state, dest in zip(STATES, (p, mm, v)):
                     d = dest[off:off + mp.part]
-                    if state not in states:  # module_only: fresh moments
+                    if state not in states:  # module_only / no optimizer states: fresh moments
                         d.zero_()
                         continue
                     d[max(0, hi - lo):].zero_()  # padding

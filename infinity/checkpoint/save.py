@@ -110,6 +110,19 @@ def _lists(x):
     return x
 
 
+def client_state_entries(client_state) -> dict:
+    """client_state as JSON when it survives the round trip exactly, else pickled (DeepSpeed's rule: any
+    picklable object); load_checkpoint gives back the same object either way."""
+    try:
+        return {"client_state": _jsonable(client_state, "client_state", exact=True)}
+    except TypeError:
+        try:
+            data = pickle.dumps(client_state)
+        except Exception as exc:  # noqa: BLE001 - whatever pickle raises, the user's object is at fault
+            raise TypeError(f"save_checkpoint: client_state must be picklable: {exc}") from None
+        return {"client_state": None, "client_state_pickle": base64.b64encode(data).decode()}
+
+
 def scheduler_state(sched) -> dict | None:
     """The lr scheduler's state_dict: as JSON when that carries it exactly, else pickled (e.g. MultiStepLR's
     milestones are a Counter with int keys, which JSON would turn into strings)."""
@@ -139,7 +152,7 @@ def manifest(engine, tag: str, client_state) -> dict:
                    "micro_steps": engine.micro_steps, "optimizer_steps": opt.step_count,
                    "lr": [float(g["lr"]) for g in opt.param_groups], "loss_scaler": engine.scaler.state_dict(),
                    "fp16": bool(engine.config.fp16.enabled), "lr_scheduler": scheduler_state(engine.lr_scheduler)},
-        "client_state": _jsonable(client_state, "client_state"),
+        **client_state_entries(client_state),
         "config": json.loads(json.dumps(dataclasses.asdict(engine.config), default=str)),
     }
 
@@ -178,7 +191,7 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save(engine, directory, tag: str | None = None, client_state=None) -> str:
+def save(engine, directory, tag: str | None = None, client_state=None, *, save_latest: bool = True) -> str:
     """See Engine.save_checkpoint."""
     comm, store, opt = engine.comm, engine.store, engine.optimizer
     rank = comm.rank
@@ -290,7 +303,8 @@ def save(engine, directory, tag: str | None = None, client_state=None) -> str:
         exchanged = exchange_or_rename(partial, final, dst_is_latest=read_latest(directory) == tag)
         fsync_dir(directory)
         crash_point("renamed")
-        write_latest(directory, tag)
+        if save_latest:
+            write_latest(directory, tag)
         if exchanged:  # `partial` now holds the checkpoint this one replaced
             shutil.rmtree(partial, ignore_errors=True)
 

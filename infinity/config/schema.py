@@ -88,6 +88,8 @@ class ZeroConfig:
     """Copy gradients into one contiguous buffer as they are produced."""
     cpu_offload: bool = spec(False)
     """DeepSpeed's older switch for offload_optimizer.device = "cpu" (stages 1-2)."""
+    stage3_gather_16bit_weights_on_model_save: bool = spec(False)
+    """At stage 3, engine.save_16bit_model gathers and saves the model only when this is true (as DeepSpeed)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -208,6 +210,8 @@ class Config:
     nothing); see [Note: batch sizes] in resolve.py."""
     gradient_clipping: float = spec(0.0, low=0.0)
     """Clip the global gradient norm to this (0 = off)."""
+    dataloader_drop_last: bool = spec(False)
+    """The loader deepspeed.initialize(training_data=...) makes drops the last incomplete batch."""
     fp16: Fp16Config = spec(None, default_factory=Fp16Config)
     """fp16 mixed precision."""
     bf16: Bf16Config = spec(None, default_factory=Bf16Config)
@@ -233,7 +237,8 @@ class Config:
 
 # Aliases: DeepSpeed's older spellings of a key.
 ALIASES = {"": {"bfloat16": "bf16"}, "aio": {"thread_count": "intra_op_parallelism"}, "bf16": {},
-           "zero_optimization": {}}
+           "zero_optimization": {"stage3_gather_fp16_weights_on_model_save":
+                                 "stage3_gather_16bit_weights_on_model_save"}}
 
 # Keys DeepSpeed accepts that infinity does not act on (yet): loaded, reported, ignored.
 DEEPSPEED_ACCEPTED = {
@@ -242,8 +247,7 @@ DEEPSPEED_ACCEPTED = {
          "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
          "communication_data_type", "zero_force_ds_cpu_optimizer", "data_types", "memory_breakdown"},
     "zero_optimization": {"allgather_partitions", "allgather_bucket_size", "reduce_scatter",
-                          "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save",
-                          "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters",
+                          "round_robin_gradients", "ignore_unused_parameters",
                           "elastic_checkpoint", "zero_hpz_partition_size", "zero_quantized_weights",
                           "zero_quantized_gradients", "load_from_fp32_weights",
                           "memory_efficient_linear", "stage3_module_granularity_threshold", "mics_shard_size",
@@ -275,8 +279,6 @@ INERT_REASONS = {
     "zero_optimization.allgather_partitions": "parameters are gathered one at a time, ahead of use",
     "zero_optimization.reduce_scatter": "gradients are always reduce-scattered",
     "zero_optimization.round_robin_gradients": "each rank owns one shard of every parameter",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "the 16-bit model is gathered on save either way",
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "the 16-bit model is gathered on save either way",
     "zero_optimization.ignore_unused_parameters": "a parameter without a gradient is stepped with a zero gradient",
     "optimizer.params.torch_adam": "the CPU Adam kernel is always used (same math as torch.optim.AdamW)",
     "optimizer.params.fused": "the CPU Adam kernel is always used (same math as torch.optim.AdamW)",

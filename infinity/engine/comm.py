@@ -133,10 +133,11 @@ class Pending:
         return self.out.div_(self.comm.world)
 
 
-def init_distributed(timeout_s: float = 300.0) -> Comm:
-    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA); a single process without it."""
+def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> Comm:
+    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA, unless `backend` says which); a
+    single process without it."""
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

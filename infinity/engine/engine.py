@@ -9,7 +9,9 @@ The data path of one optimizer step:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -101,6 +103,8 @@ class Engine:
         self._t_last = time.perf_counter()
         self._fetch_stats = []
         self._overlapped = None  # the result of a step taken during backward, for step() to report
+        self._forced_boundary = None  # set_gradient_accumulation_boundary
+        self._said_no_sync = False
         self._param_written_mark = self._param_bytes_written()
         self._gathered_mark = store.bytes_gathered
         self._comm_mark = self.comm.time_s
@@ -128,18 +132,26 @@ class Engine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss`, scaled for fp16 and divided by gradient_accumulation_steps."""
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True,
+                 allreduce_gradients: bool = True, release_loss: bool = False) -> torch.Tensor:
+        """Backward of `loss`, scaled for fp16 and (scale_wrt_gas) divided by gradient_accumulation_steps.
+
+        DeepSpeed's keywords: retain_graph keeps the graph; allreduce_gradients=False is refused (gradients
+        go to their owner ranks as they are produced; that cannot be deferred); release_loss is accepted
+        (the loss is not kept). Returns the loss, as DeepSpeed's does."""
         self._check_open()
         if loss.numel() != 1:
             raise ValueError(f"Engine.backward: loss must be a scalar, got shape {tuple(loss.shape)}")
-        scaled = loss.float() * (self.scaler.scale / self.gas)
-        overlap = self._can_step_during_backward() and (self.micro_steps + 1) % self.gas == 0
+        if not allreduce_gradients:
+            raise ValueError("Engine.backward(allreduce_gradients=False): each gradient is reduce-scattered to its "
+                             "owner rank as backward produces it, so the reduction cannot be skipped; drop it")
+        scaled = loss.float() * (self.scaler.scale / (self.gas if scale_wrt_gas else 1))
+        overlap = self._can_step_during_backward() and self._next_is_boundary() and not retain_graph
         if overlap:
             self.optimizer.begin_overlapped_step()
         try:
             with self.hooks.saved_tensors():
-                scaled.backward()
+                scaled.backward(retain_graph=retain_graph)
             self.store.flush_grads()
             if overlap:
                 self._overlapped = self.optimizer.end_overlapped_step()
@@ -148,14 +160,94 @@ class Engine:
         self.micro_steps += 1
         if self.store.scheduler is not None:
             self._fetch_stats.append(self.store.scheduler.drain())
+        return loss
 
     def _can_step_during_backward(self) -> bool:
         """See [Note: stepping during backward] in optimizer.py."""
         return (self.config.infinity.step_during_backward and self.config.gradient_clipping == 0
                 and not self.config.fp16.enabled)
 
+    def _next_is_boundary(self) -> bool:
+        """Will the backward about to run end an accumulation cycle?"""
+        if self._forced_boundary is not None:
+            return self._forced_boundary
+        return (self.micro_steps + 1) % self.gas == 0
+
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._forced_boundary is not None:
+            return self._forced_boundary
         return self.micro_steps > 0 and self.micro_steps % self.gas == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual control: from now on, step() steps exactly when this says so (None: count
+        micro-batches again)."""
+        self._forced_boundary = None if is_boundary is None else bool(is_boundary)
+
+    # ------------------------------------------------------ DeepSpeed's getters
+
+    def train_batch_size(self) -> int | None:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        return self.batch.micro_batch_per_rank
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.gas
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer step (None before the first)."""
+        return self.last_report.grad_norm if self.last_report is not None else None
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def device(self) -> torch.device:
+        return self.store.device
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed by the optimizer steps taken (DeepSpeed adds train_batch_size per step)."""
+        per_step = self.batch.train_batch_size or 0
+        return self.global_steps * per_step
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        self.module.eval()
+        return self
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's no_sync: refused with ZeRO stage 2 or 3 (as DeepSpeed refuses it); below that, gradients
+        are still reduced every micro-batch, which gives the same sum (said once)."""
+        if self.config.zero_optimization.stage >= 2:
+            raise RuntimeError("Engine.no_sync: gradients are partitioned at ZeRO stage 2 and 3 and go to their "
+                               "owner ranks as they are produced, so they cannot be held back (DeepSpeed refuses "
+                               "this too); accumulate with gradient_accumulation_steps instead")
+        if not self._said_no_sync:
+            self._said_no_sync = True
+            log.info("infinity: no_sync still reduces gradients every micro-batch; the accumulated sum is the same")
+        yield
 
     def step(self) -> bool:
         """Step the optimizer at an accumulation boundary (a no-op in between). True when a step was taken."""
@@ -171,6 +263,7 @@ class Engine:
             overflow, norm, stats = self.optimizer.step(loss_scale=self.scaler.scale,
                                                         max_norm=self.config.gradient_clipping)
         self.scaler.update(overflow)
+        self.optimizer.overflow = overflow
         if overflow:
             self.skipped_steps += 1
         else:
@@ -206,33 +299,59 @@ class Engine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None) -> str:
-        """Write every rank's fp32 master weights, Adam moments, the step counters, loss scaler, lr
-        scheduler, RNG states, buffers and `client_state` (JSON: e.g. the data position) as the zarr store
-        save_dir/<tag> (default tag global_step<N>), then point save_dir/latest at it. Call it on every
-        rank, after engine.step(). Atomic: see [Note: atomic checkpoint] in infinity/checkpoint/layout.py.
-        Returns the checkpoint's path."""
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Write every rank's fp32 master weights, Adam moments, frozen weights, the step counters, loss scaler,
+        lr scheduler, RNG states, buffers and `client_state` as the zarr store save_dir/<tag> (default tag
+        global_step<N>), then (save_latest) point save_dir/latest at it. Call it on every rank, after
+        engine.step(). Atomic: see [Note: atomic checkpoint] in infinity/checkpoint/layout.py.
+
+        client_state is any picklable object (DeepSpeed's rule); it is kept as JSON when that round-trips
+        exactly, else pickled, and load_checkpoint unpickles it as torch.load(weights_only=False) would: load
+        only checkpoints you trust. Returns the checkpoint's path."""
         self._check_open()
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: a checkpoint holds "
+                             "the frozen weights too, so that it resumes whatever the model was built from")
         from infinity.checkpoint.save import save
 
-        return save(self, save_dir, tag, client_state)
+        return save(self, save_dir, tag, client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir, tag: str | None = None, *, load_module_only: bool = False,
-                        load_lr_scheduler_states: bool = True, verify: bool = True):
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, *, verify: bool = True, custom_load_fn=None):
         """Resume from load_dir/<tag> (default: the tag load_dir/latest names), saved by any number of ranks
-        under any offload config. Returns (path, client_state).
+        under any offload config. Returns (path, client_state), as DeepSpeed's does.
 
         load_module_only loads the weights alone (fine-tuning from a checkpoint): Adam's moments and step
         count start from zero; the engine's step counters, lr, loss scaler and RNG keep their current values.
-        load_lr_scheduler_states=False keeps the engine's lr scheduler as it is.
-        verify=False skips the checksum pass of [Note: verify before load]: faster, but corrupted bytes
-        then go undetected.
+        load_optimizer_states=False loads the weights and everything else but Adam's moments, which start from
+        zero. load_lr_scheduler_states=False keeps the engine's lr scheduler as it is. load_module_strict=False
+        and custom_load_fn are refused (not supported). verify=False skips the checksum pass of
+        [Note: verify before load]: faster, but corrupted bytes then go undetected.
         """
         self._check_open()
+        if not load_module_strict:
+            raise ValueError("load_checkpoint(load_module_strict=False) is not supported: every parameter of the "
+                             "model must be in the checkpoint, and the error names those that are not")
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint(custom_load_fn=...) is not supported; load the state yourself inside "
+                             "infinity.gathered_parameters(..., modifier_rank=0) before initialize")
         from infinity.checkpoint.load import load
 
         return load(self, load_dir, tag, verify=verify, module_only=load_module_only,
-                    lr_scheduler=load_lr_scheduler_states)
+                    lr_scheduler=load_lr_scheduler_states, optimizer_states=load_optimizer_states)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The model's consolidated weights in the compute dtype (bf16/fp16; fp32 without either), gathered one
+        parameter at a time and streamed by rank 0 into save_dir/save_filename (.safetensors, or a torch.save
+        file for any other name). At stage 3 it needs zero_optimization.stage3_gather_16bit_weights_on_model_save,
+        as DeepSpeed does, and returns False (saving nothing) without it. Call it on every rank."""
+        self._check_open()
+        from infinity.checkpoint.sixteen import save_16bit
+
+        return save_16bit(self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
 
     def close(self) -> None:
         """Remove hooks, stop I/O and delete swap files. The model's parameters are left as placeholders."""
