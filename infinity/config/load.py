@@ -167,6 +167,8 @@ def _value(hint, f: dataclasses.Field, value, where: str, notes: _Notes):
     meta = f.metadata
     if meta.get("kind") == "scheduler":
         return _scheduler(value, where, notes)
+    if where == "zero_optimization" and isinstance(value, bool):  # DeepSpeed's oldest form: true means stage 1
+        value = {"stage": 1 if value else 0}
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where, notes)
     optional = type(None) in typing.get_args(hint)

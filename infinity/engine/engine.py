@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinity.config import Config
+from infinity.config import Config, ConfigError
 from infinity.config.resolve import resolve_auto, resolve_batch
 from infinity.engine.build import as_config, build_store
 from infinity.engine.construct import end_access
@@ -82,7 +82,7 @@ class Engine:
     """A model whose parameters, gradients and optimizer state are partitioned and offloaded per the config."""
 
     def __init__(self, model: torch.nn.Module, cfg: Config, store: ParamStore, optimizer: ShardedAdam,
-                 hooks: ParamHooks, lr_scheduler=None):
+                 hooks: ParamHooks, lr_scheduler=None, batch=None):
         self.module = model
         self.config = cfg
         self.store = store
@@ -91,8 +91,8 @@ class Engine:
         self.hooks = hooks
         self.scaler = LossScaler.from_config(cfg.fp16)
         self.lr_scheduler = _lr_scheduler(cfg, optimizer, lr_scheduler)
-        self.batch = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
-                                   cfg.gradient_accumulation_steps, self.comm.world)
+        self.batch = batch or resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                                            cfg.gradient_accumulation_steps, self.comm.world)
         """The three batch sizes for this world size (see [Note: batch sizes] in config/resolve.py)."""
         self.gas = self.batch.gradient_accumulation_steps
         self.micro_steps = 0
@@ -416,6 +416,8 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     cfg = resolve_auto(as_config(config), model)
     return_freed_memory_to_os()
     comm = init_distributed(cfg.infinity.comm_timeout_s)
+    batch = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+                          comm.world)  # before anything is built: an inconsistent set fails here
     store = next((managed(p).extra["store"] for p in model.parameters() if managed(p) is not None), None)
     if store is None:
         store = current_store() or build_store(cfg, comm)
@@ -429,6 +431,12 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
                     tuple(hp.betas), hp.eps, hp.weight_decay)
     groups = param_groups(model, model_parameters)
     trained = {id(p) for g in groups for p in g["params"]}
+    try:
+        check_disk_room(cfg, store, model, trained, comm.world)
+    except ConfigError:
+        if store is not current_store():
+            store.close()  # what zero_init wrote goes too: nothing of a failed setup stays on disk
+        raise
     for name, p in reversed(list(model.named_parameters())):  # full names in messages from here on
         if managed(p) is not None:
             managed(p).name = name
@@ -468,7 +476,42 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     store.frozen = True
     hooks = ParamHooks(store)
     hooks.install(model)
-    return Engine(model, cfg, store, optimizer, hooks, lr_scheduler)
+    return Engine(model, cfg, store, optimizer, hooks, lr_scheduler, batch)
+
+
+def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None:
+    """Before initialize writes anything: do the nvme_path filesystems have room for this rank's swap files?
+    Raises ConfigError naming the path, the bytes needed (parameters and optimizer) and the bytes free."""
+    import math
+    import shutil
+
+    zero = cfg.zero_optimization
+    params = {id(p): p for p in model.parameters()}
+    part = {k: math.ceil(p.numel() / world) for k, p in params.items()}
+    param_bytes = opt_bytes = 0
+    if store.tier == "nvme":
+        compute = torch.empty((), dtype=store.dtype).element_size()
+        for k, p in params.items():
+            if managed(p) is None and k in trained:
+                param_bytes += 4 * part[k]  # adopted now, in fp32
+            if compute != 4:
+                param_bytes += compute * part[k]  # the compute-dtype copy written after each step (or frozen)
+    if zero.offload_optimizer.device == "nvme":
+        opt_bytes = 12 * sum(part[k] for k in trained)
+    need: dict = {}
+    for slot, path, n in ((1, zero.offload_param.nvme_path, param_bytes),
+                          (2, zero.offload_optimizer.nvme_path, opt_bytes)):
+        if n:
+            entry = need.setdefault(os.stat(path).st_dev, [path, 0, 0])  # one filesystem: one sum
+            entry[slot] += n
+    for path, p_bytes, o_bytes in need.values():
+        free = shutil.disk_usage(path).free
+        if free < p_bytes + o_bytes:
+            raise ConfigError("zero_optimization.offload_param.nvme_path" if p_bytes else
+                              "zero_optimization.offload_optimizer.nvme_path",
+                              f"{path} has {free:,} bytes free, but this rank's swap files need "
+                              f"{p_bytes + o_bytes:,} ({p_bytes:,} for parameters, {o_bytes:,} for the optimizer); "
+                              "free space there or point nvme_path at a bigger disk")
 
 
 _GROUP_KEYS = {"params", "lr", "weight_decay", "betas", "eps", "amsgrad", "initial_lr", "name"}
