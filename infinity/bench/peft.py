@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (on q_proj and v_proj)")
     p.add_argument("--offload", choices=("nvme", "cpu", "none"), default="nvme")
+    p.add_argument("--in-process", action="store_true",
+                   help="run both modes in this process (quick, for smoke tests; the peak RSS figures then overlap)")
     p.add_argument("--json", action="store_true")
 
 
@@ -95,11 +97,14 @@ def run(args) -> int:
         results = {}
         for mode in MODES:
             out = os.path.join(work, f"{mode}.json")
-            proc = ctx.Process(target=_one, args=(mode, vars(args), os.path.join(work, "model"), work, out))
-            proc.start()
-            proc.join()
-            if proc.exitcode != 0:
-                raise RuntimeError(f"bench peft: the {mode} run exited with {proc.exitcode}")
+            if args.in_process:
+                _one(mode, vars(args), os.path.join(work, "model"), work, out)
+            else:
+                proc = ctx.Process(target=_one, args=(mode, vars(args), os.path.join(work, "model"), work, out))
+                proc.start()
+                proc.join()
+                if proc.exitcode != 0:
+                    raise RuntimeError(f"bench peft: the {mode} run exited with {proc.exitcode}")
             with open(out) as f:
                 results[mode] = json.load(f)
     finally:

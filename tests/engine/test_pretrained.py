@@ -231,16 +231,15 @@ def test_export_hf_of_a_non_hf_checkpoint_says_what_to_do(tmp_path, disk_dir):
         export_hf(tmp_path / "ckpt", tmp_path / "hf")
 
 
-def test_bench_peft_smoke(tmp_path):
+def test_bench_peft_smoke(tmp_path, capsys):
     import json
-    import subprocess
-    import sys
 
-    out = subprocess.run([sys.executable, "-m", "infinity.cli", "bench", "peft", "--dir", str(tmp_path), "--layers",
-                          "1", "--hidden", "64", "--vocab", "256", "--steps", "2", "--json"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout[out.stdout.index("{"):])
+    from infinity.cli import main
+
+    assert main(["bench", "peft", "--dir", str(tmp_path), "--layers", "1", "--hidden", "64", "--vocab", "256",
+                 "--steps", "2", "--in-process", "--json"]) == 0
+    out = capsys.readouterr().out
+    r = json.loads(out[out.index("{"):])
     assert r["lora"]["trained"] < r["full"]["trained"] / 10
     assert r["lora"]["optimizer_read_bytes"] == 12 * r["lora"]["trained"]
     assert r["full"]["optimizer_read_bytes"] == 12 * r["full"]["trained"]
