@@ -27,7 +27,8 @@ $(BUILD_STAMP): $(STAMP) $(NATIVE_SRC) setup.py
 build: $(BUILD_STAMP)
 
 # The main job: `infinity train` on its default (a 3.3M-parameter GPT, parameters and optimizer on NVMe
-# swap files in a temp dir, 60 steps, about half a minute on 2 cores); metrics and a plot land in runs/.
+# swap files in a temp dir, 60 steps: half a minute on 2 AVX-512 cores, about 4 minutes where there is only
+# AVX2); metrics and a plot land in runs/.
 run: build
 	$(PYTHON) -m infinity.cli train
 
