@@ -83,7 +83,10 @@ class BuildPyWithConfigs(build_py):
         super().run()
         dst = os.path.join(self.build_lib, "infinity", "swap_configs")
         os.makedirs(dst, exist_ok=True)
-        for src in sorted(glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "swap_configs", "*.json"))):
+        configs = sorted(glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "swap_configs", "*.json")))
+        if not configs:
+            raise RuntimeError("setup.py: swap_configs/*.json not found; an sdist needs MANIFEST.in to include them")
+        for src in configs:
             shutil.copy(src, dst)
 
 

@@ -195,7 +195,7 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
     """See Engine.save_checkpoint."""
     comm, store, opt = engine.comm, engine.store, engine.optimizer
     rank = comm.rank
-    if engine.micro_steps % engine.gas:
+    if not engine.boundary_forced and engine.micro_steps % engine.gas:
         raise RuntimeError(f"save_checkpoint: called after {engine.micro_steps % engine.gas} of "
                            f"{engine.gas} micro-batches of gradient accumulation; the accumulated gradients are not "
                            "part of a checkpoint, so save after engine.step()")

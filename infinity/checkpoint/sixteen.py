@@ -50,37 +50,50 @@ def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = F
         header[key] = {"dtype": _ST_DTYPES[out_dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
         pos += n
     header["__metadata__"] = {"format": "pt", "source": "infinity save_16bit_model"}
-    f = None
+    f, err = None, None
     try:
         if engine.rank == 0:
-            text = json.dumps(header, separators=(",", ":")).encode()
-            text += b" " * (-len(text) % 8)
-            f = open(st_path + ".part", "wb")
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-        for key in names:
+            try:
+                text = json.dumps(header, separators=(",", ":")).encode()
+                text += b" " * (-len(text) % 8)
+                f = open(st_path + ".part", "wb")
+                f.write(struct.pack("<Q", len(text)))
+                f.write(text)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below, after the gathers
+                err = exc
+        for key in names:  # every rank joins every gather, whatever rank 0's file does
             t = state[key]
             ctx = gathered_parameters(t) if managed(t) is not None else contextlib.nullcontext()
             with ctx:
-                if f is not None:
-                    value = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
-                    f.write(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
-        if f is not None:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            f = None
-            os.replace(st_path + ".part", st_path)
-            if st_path != path:
-                _to_torch_save(st_path, header, path)
-            fsync_dir(out_dir)
+                if f is not None and err is None:
+                    try:
+                        value = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+                        f.write(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+                    except Exception as exc:  # noqa: BLE001
+                        err = exc
+        if f is not None and err is None:
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+                f = None
+                os.replace(st_path + ".part", st_path)
+                if st_path != path:
+                    _to_torch_save(st_path, header, path)
+                fsync_dir(out_dir)
+            except Exception as exc:  # noqa: BLE001
+                err = exc
     finally:
         if f is not None:
             f.close()
-        for leftover in (st_path + ".part", path + ".tmp.safetensors"):
-            if engine.rank == 0 and os.path.exists(leftover):
-                os.unlink(leftover)
-    engine.comm.all_reduce_(torch.zeros(1))  # no rank returns before rank 0's file is complete
+        if engine.rank == 0:
+            for leftover in (st_path + ".part", path + ".tmp.safetensors", path + ".tmp"):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
+    if not engine.comm.all_ok(err is None):  # no rank returns before rank 0's file is complete, or failed
+        if err is not None:
+            raise err
+        raise RuntimeError(f"save_16bit_model: writing {path} failed on rank 0 (its own error says why)")
     return True
 
 

@@ -79,18 +79,21 @@ class DeepSpeedDataLoader:
         from torch.utils.data.distributed import DistributedSampler
 
         if "LOCAL_RANK" in os.environ or world > 1:
-            self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0,
-                                              drop_last=drop_last)
+            self.data_sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
         else:
-            self.sampler = RandomSampler(dataset)
-        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate_fn,
+            self.data_sampler = RandomSampler(dataset)
+        # drop_last applies to the batches, not to the sampler (which pads to equal shares), as in DeepSpeed
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.data_sampler, collate_fn=collate_fn,
                                  drop_last=drop_last)
         self.epoch = 0
         self.batch_size = batch_size
 
     def __iter__(self):
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(self.epoch)
+        sampler = self.data_sampler
+        if hasattr(sampler, "set_epoch"):
+            if sampler.epoch != self.epoch and sampler.epoch != 0:
+                self.epoch = sampler.epoch  # the caller set the epoch (loader.data_sampler.set_epoch(e)): keep it
+            sampler.set_epoch(self.epoch)
         self.epoch += 1
         return iter(self.loader)
 

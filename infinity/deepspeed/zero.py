@@ -10,23 +10,26 @@ from infinity.deepspeed.config import config_from
 class Init:
     """DeepSpeed's zero.Init: modules built inside are partitioned as they are built (infinity.zero_init).
 
-    config_dict_or_path (or config) is the DeepSpeed config; enabled=False builds normally. remote_device
-    ("cpu"/"nvme"/"none") overrides offload_param.device, as in DeepSpeed. `module` partitions a model that
-    was already built. DeepSpeed's other arguments (data_parallel_group, mem_efficient_linear, pin_memory,
+    config_dict_or_path (or config) is the DeepSpeed config (none: stage 3 in RAM); enabled=False builds
+    normally, and so does an Init nested in another. remote_device ("cpu"/"nvme"/"none") applies when the
+    config has no offload_param section, as in DeepSpeed. `module` partitions a model that was already built. DeepSpeed's other arguments (data_parallel_group, mem_efficient_linear, pin_memory,
     mpu, dtype) are accepted; dtype must agree with the config's precision if given.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True,
                  remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path=None,
                  config=None, enabled: bool = True, dtype=None, mpu=None, **kwargs):
-        self.enabled = enabled
+        from infinity.engine.zero_init import current_store
+
         self._ctx = None
-        if not enabled:
+        self.enabled = enabled and current_store() is None  # nested: only the outermost one acts, as in DeepSpeed
+        if not self.enabled:
             return
-        raw = config_from(config_dict_or_path if config_dict_or_path is not None else config)
-        if remote_device is not None:
-            zero = raw.setdefault("zero_optimization", {})
-            zero.setdefault("offload_param", {})["device"] = str(remote_device)
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        raw = config_from(source) if source is not None else {"zero_optimization": {"stage": 3}}
+        zero = raw.setdefault("zero_optimization", {})
+        if remote_device is not None and "offload_param" not in zero:  # the config's section wins, as in DeepSpeed
+            zero["offload_param"] = {"device": str(remote_device)}
         self.raw = raw
         _check_dtype(raw, dtype)
         self.module = module

@@ -178,6 +178,11 @@ class Engine:
             return self._forced_boundary
         return self.micro_steps > 0 and self.micro_steps % self.gas == 0
 
+    @property
+    def boundary_forced(self) -> bool:
+        """set_gradient_accumulation_boundary decides the steps (not the micro-batch count)."""
+        return self._forced_boundary is not None
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's manual control: from now on, step() steps exactly when this says so (None: count
         micro-batches again)."""
@@ -224,9 +229,10 @@ class Engine:
 
     @property
     def global_samples(self) -> int:
-        """Samples consumed by the optimizer steps taken (DeepSpeed adds train_batch_size per step)."""
+        """Samples consumed so far: train_batch_size per accumulation boundary, skipped (fp16 overflow) steps
+        included, as DeepSpeed counts them."""
         per_step = self.batch.train_batch_size or 0
-        return self.global_steps * per_step
+        return (self.global_steps + self.skipped_steps) * per_step
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -374,18 +380,31 @@ class Engine:
 
 
 def _lr_scheduler(cfg: Config, optimizer, client):
-    """The config's scheduler section, as DeepSpeed does it, takes precedence over a scheduler passed in (said
-    once); a callable passed in is called with the optimizer."""
-    if cfg.scheduler is not None:
+    """A scheduler passed in wins over the config's scheduler section, as in DeepSpeed 0.19 (said once when both
+    are given); a callable is called with the optimizer; a scheduler built over another optimizer (a torch
+    optimizer that deepspeed.initialize turned into this one) is moved onto this one."""
+    if client is None:
+        if cfg.scheduler is None:
+            return None
         from infinity.optim.schedules import build_scheduler
 
-        if client is not None:
-            warnings.warn(f"infinity: the config's scheduler section ({cfg.scheduler.type}) is used, as DeepSpeed "
-                          "uses it, and the lr_scheduler passed to initialize is not; remove one of them",
-                          stacklevel=3)
         return build_scheduler(cfg.scheduler, optimizer)
+    if cfg.scheduler is not None:
+        warnings.warn(f"infinity: the lr_scheduler passed to initialize is used and the config's scheduler section "
+                      f"({cfg.scheduler.type}) is not, as in DeepSpeed; remove one of them", stacklevel=3)
     if callable(client) and not hasattr(client, "step"):
         return client(optimizer)
+    bound = getattr(client, "optimizer", None)
+    if bound is not None and bound is not optimizer and hasattr(client, "get_last_lr"):
+        if len(bound.param_groups) != len(optimizer.param_groups):
+            raise ValueError(f"infinity: the lr_scheduler is bound to an optimizer with {len(bound.param_groups)} "
+                             f"parameter groups, the engine's has {len(optimizer.param_groups)}")
+        for mine, theirs in zip(optimizer.param_groups, bound.param_groups):
+            if "initial_lr" in theirs:
+                mine["initial_lr"] = theirs["initial_lr"]
+        client.optimizer = optimizer
+        for group, lr in zip(optimizer.param_groups, client.get_last_lr()):
+            group["lr"] = lr
     return client
 
 
@@ -431,12 +450,13 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
                     tuple(hp.betas), hp.eps, hp.weight_decay)
     groups = param_groups(model, model_parameters)
     trained = {id(p) for g in groups for p in g["params"]}
-    try:
-        check_disk_room(cfg, store, model, trained, comm.world)
-    except ConfigError:
+    from infinity.checkpoint.save import together
+
+    def failed():
         if store is not current_store():
             store.close()  # what zero_init wrote goes too: nothing of a failed setup stays on disk
-        raise
+
+    together(comm, "the disk-room check", lambda: check_disk_room(cfg, store, model, trained, comm.world), failed)
     for name, p in reversed(list(model.named_parameters())):  # full names in messages from here on
         if managed(p) is not None:
             managed(p).name = name
@@ -476,7 +496,13 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     store.frozen = True
     hooks = ParamHooks(store)
     hooks.install(model)
-    return Engine(model, cfg, store, optimizer, hooks, lr_scheduler, batch)
+    try:
+        return Engine(model, cfg, store, optimizer, hooks, lr_scheduler, batch)
+    except BaseException:  # e.g. a scheduler that does not fit the groups: nothing of this setup may stay behind
+        hooks.remove()
+        optimizer.close()
+        store.close()
+        raise
 
 
 def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None:
@@ -504,12 +530,14 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
         if n:
             entry = need.setdefault(os.stat(path).st_dev, [path, 0, 0])  # one filesystem: one sum
             entry[slot] += n
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host share its disks
     for path, p_bytes, o_bytes in need.values():
+        p_bytes, o_bytes = p_bytes * local, o_bytes * local
         free = shutil.disk_usage(path).free
         if free < p_bytes + o_bytes:
             raise ConfigError("zero_optimization.offload_param.nvme_path" if p_bytes else
                               "zero_optimization.offload_optimizer.nvme_path",
-                              f"{path} has {free:,} bytes free, but this rank's swap files need "
+                              f"{path} has {free:,} bytes free, but the swap files of this host's ranks need "
                               f"{p_bytes + o_bytes:,} ({p_bytes:,} for parameters, {o_bytes:,} for the optimizer); "
                               "free space there or point nvme_path at a bigger disk")
 

@@ -170,6 +170,10 @@ def test_training_data_is_batched_and_shuffled_as_deepspeed_does(monkeypatch):
         assert sum(first, []) == [float(i) for i in want]
         assert first != second, "the epoch advances at every pass"
         assert all(len(b) == 2 for b in first) and len(loader) == 5
+        loader.data_sampler.set_epoch(7)  # as scripts do: the loader keeps the caller's epoch
+        third = [b[0][:, 0].tolist() for b in loader]
+        g.manual_seed(7)
+        assert sum(third, []) == [float(i) for i in torch.randperm(10, generator=g).tolist()]
     finally:
         engine.close()
 
@@ -237,7 +241,35 @@ def test_a_model_too_big_for_the_disk_fails_before_writing_and_leaves_nothing(tm
                         else real(p))
     with pytest.raises(ConfigError) as ei:
         initialize(Tiny(), cfg)
-    assert str(ei.value) == (f"zero_optimization.offload_param.nvme_path: {nvme} has 100 bytes free, but this "
-                             "rank's swap files need 784 (196 for parameters, 588 for the optimizer); free space "
+    assert str(ei.value) == (f"zero_optimization.offload_param.nvme_path: {nvme} has 100 bytes free, but "
+                             "the swap files of this host's ranks need 784 (196 for parameters, 588 for the optimizer); free space "
                              "there or point nvme_path at a bigger disk")
     assert not any(nvme.rglob("*.swp")) and not [f for f in nvme.rglob("*") if f.is_file()]
+
+
+def test_a_scheduler_built_on_the_torch_optimizer_drives_the_engine():
+    """The usual pattern: opt = AdamW(...); sched = warmup(opt); deepspeed.initialize(optimizer=opt,
+    lr_scheduler=sched). The scheduler moves onto the engine's optimizer and wins over a config scheduler."""
+    model = Tiny()
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda s: min(1.0, (s + 1) / 4))
+    cfg = dict(BASE, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 100}})
+    with pytest.warns(UserWarning, match="the lr_scheduler passed to initialize is used"):
+        engine, opt, _, lr_sched = deepspeed.initialize(model=model, optimizer=torch_opt, lr_scheduler=sched,
+                                                        config=cfg)
+    try:
+        assert lr_sched is sched and sched.optimizer is opt and opt.param_groups[0]["lr"] == 0.0025
+        for s in range(3):
+            engine.backward(engine(torch.ones(2, 4)))
+            engine.step()
+        assert abs(opt.param_groups[0]["lr"] - 0.01) < 1e-12, "warmed up to the base lr after 3 steps"
+    finally:
+        engine.close()
+
+
+def test_save_16bit_model_needs_the_gather_flag_at_stage_3(tmp_path):
+    engine, _, _, _ = deepspeed.initialize(model=Tiny(), config=BASE)
+    try:
+        assert engine.save_16bit_model(tmp_path, "m.bin") is False and not (tmp_path / "m.bin").exists()
+    finally:
+        engine.close()
