@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import gc
 import json
-import multiprocessing
-
 import torch
 
-from infinity.testing.parity import _peak_rss_reset, _vm, engine_config
+from infinity.testing.parity import _peak_rss_reset, _vm, engine_config, run_in_child
 
 WIDTH = 1024
 LAYERS = 32
@@ -89,10 +87,4 @@ def _main(kind: str, out_path: str, args: tuple) -> None:
 
 
 def in_child(kind: str, out_path: str, *args) -> dict:
-    p = multiprocessing.get_context("spawn").Process(target=_main, args=(kind, out_path, args))
-    p.start()
-    p.join(300)
-    if p.exitcode != 0:
-        raise RuntimeError(f"{kind} memory child exited with {p.exitcode}")
-    with open(out_path) as f:
-        return json.load(f)
+    return run_in_child(_main, (kind, out_path, args), out_path, f"{kind} memory")

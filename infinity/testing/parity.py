@@ -289,12 +289,17 @@ def _memory_main(nvme_path: str, out_path: str) -> None:
 
 def memory_run_in_child(nvme_path: str, out_path: str) -> dict:
     """memory_run in a fresh process, so that no earlier test's memory is in its peak."""
+    return run_in_child(_memory_main, (nvme_path, out_path), out_path, "memory_run")
+
+
+def run_in_child(target, args: tuple, out_path: str, what: str, timeout_s: float = 300) -> dict:
+    """target(*args) in a fresh (spawned) process that writes its JSON result to out_path; that result."""
     import multiprocessing
 
-    p = multiprocessing.get_context("spawn").Process(target=_memory_main, args=(nvme_path, out_path))
+    p = multiprocessing.get_context("spawn").Process(target=target, args=args)
     p.start()
-    p.join(300)
+    p.join(timeout_s)
     if p.exitcode != 0:
-        raise RuntimeError(f"memory_run child exited with {p.exitcode}")
+        raise RuntimeError(f"{what} child exited with {p.exitcode}")
     with open(out_path) as f:
         return json.load(f)
