@@ -81,6 +81,7 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_hw(const unsigned char* p, siz
       c1 = __builtin_ia32_crc32di(c1, v1);
       c2 = __builtin_ia32_crc32di(c2, v2);
     }
+    // Join the three lanes: see [Note: three CRC lanes].
     uint32_t joined = gf2_mul(static_cast<uint32_t>(c0), shift) ^ static_cast<uint32_t>(c1);
     c = gf2_mul(joined, shift) ^ static_cast<uint32_t>(c2);
   }

@@ -24,6 +24,9 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 ErrorInfo make_error(int err, const std::string& path, int64_t offset, std::string what) {
   return ErrorInfo{err, path, offset, std::move(what)};
 }
+
+// The kernel gave up on this attempt without failing it: go again, not an error.
+bool transient(int64_t res) { return res == -EINTR || res == -EAGAIN; }
 }  // namespace
 
 // ---------------------------------------------------------------- Request
@@ -101,7 +104,15 @@ void Request::complete() {
 
 // ---------------------------------------------------------------- Worker
 
+// One worker thread's engine and loop state. Only that thread touches it
+// once the loop has started.
 struct Handle::Worker {
+  explicit Worker(Handle& handle) : h(handle) {}
+  ~Worker() {
+    for (Slot& s : slots) std::free(s.mem);
+  }
+
+  Handle& h;
   std::unique_ptr<Engine> engine;
   std::thread thread;
   // Bounce buffers for pieces whose user memory is not O_DIRECT-aligned; one
@@ -114,35 +125,202 @@ struct Handle::Worker {
   std::vector<Slot> slots;
   std::vector<int> free_slots;
 
-  ~Worker() {
-    for (Slot& s : slots) std::free(s.mem);
+  std::vector<Chunk*> batch;  // what this turn of the loop submits
+  std::deque<Chunk*> retry;   // accepted earlier, need (re)submission
+  std::vector<Completion> comps;
+  int cap = 0;       // chunks the engine can hold
+  int inflight = 0;  // chunks the engine holds now
+
+  void start(std::unique_ptr<Engine> e) {
+    engine = std::move(e);
+    cap = engine->capacity();
+    slots.resize(cap);
+    for (int s = cap - 1; s >= 0; --s) free_slots.push_back(s);
+    comps.resize(cap);
   }
 
-  // Returns false when memory for the bounce buffer cannot be had.
-  bool attach_bounce(Chunk* c) {
-    int idx = free_slots.back();
-    Slot& s = slots[idx];
-    if (s.size < c->len || s.align < c->align) {
-      std::free(s.mem);
-      s.mem = static_cast<char*>(aligned_alloc_bytes(c->len, c->align));
-      s.size = s.mem ? c->len : 0;
-      s.align = s.mem ? c->align : 0;
-      if (!s.mem) return false;
-    }
-    free_slots.pop_back();
-    c->bounce_slot = idx;
-    c->buf = s.mem;
-    if (c->write) std::memcpy(c->buf, c->user, c->len);
-    return true;
-  }
-
-  void release_bounce(Chunk* c) {
-    if (c->bounce_slot < 0) return;
-    free_slots.push_back(c->bounce_slot);
-    c->bounce_slot = -1;
-    c->buf = nullptr;
-  }
+  bool gather();
+  void prepare();
+  void submit_batch();
+  void wait_before_retry();
+  void reap();
+  void settle(Chunk* c, int64_t raw);
+  void retry_short(Chunk* c, size_t before);
+  void finish(Chunk* c);
+  void fail(Chunk* c, int err, const char* what);
+  void take_from(std::deque<Chunk*>& from, bool refill);
+  bool attach_bounce(Chunk* c);
+  void release_bounce(Chunk* c);
 };
+
+// Fills the batch, retries first (they were accepted earlier); blocks while
+// idle and returns false once the handle is stopping and nothing is left.
+bool Handle::Worker::gather() {
+  batch.clear();
+  // Without overlap_events a worker submits only into an empty queue:
+  // a batch goes out, and all of it completes before the next one.
+  const bool refill = h.opts_.overlap_events || inflight == 0;
+  take_from(retry, refill);
+  std::unique_lock<std::mutex> lk(h.queue_mu_);
+  if (inflight == 0 && batch.empty())
+    h.queue_cv_.wait(lk, [&] { return !h.queue_.empty() || h.stopping_; });
+  if (h.stopping_ && h.queue_.empty() && inflight == 0 && batch.empty()) return false;
+  take_from(h.queue_, refill);
+  return true;
+}
+
+// Moves chunks from the front of `from` while the engine has room for them.
+void Handle::Worker::take_from(std::deque<Chunk*>& from, bool refill) {
+  while (refill && !from.empty() && inflight + static_cast<int>(batch.size()) < cap) {
+    batch.push_back(from.front());
+    from.pop_front();
+  }
+}
+
+// Drops pieces of requests that already failed (their outcome is decided and
+// the I/O would only waste bandwidth) and gives unaligned pieces a bounce buffer.
+void Handle::Worker::prepare() {
+  size_t keep = 0;
+  for (Chunk* c : batch) {
+    if (c->req->failed_.load()) {
+      release_bounce(c);
+      c->req->chunk_finished(nullptr);
+      continue;
+    }
+    if (c->user && c->bounce_slot < 0 && !attach_bounce(c)) {
+      fail(c, ENOMEM, "cannot allocate an aligned bounce buffer");
+      continue;
+    }
+    batch[keep++] = c;
+  }
+  batch.resize(keep);
+}
+
+// Hands the batch to the engine as far as it takes it; the rest goes back to
+// the front of the retry queue, in order, for after the next reap.
+void Handle::Worker::submit_batch() {
+  size_t pos = 0;
+  while (pos < batch.size()) {
+    const int want = h.opts_.single_submit ? 1 : static_cast<int>(batch.size() - pos);
+    int r = engine->submit(batch.data() + pos, want);
+    h.submit_calls_.fetch_add(1, std::memory_order_relaxed);
+    if (transient(r) || r == 0) break;  // the kernel is busy: reap, then retry
+    if (r < 0) {
+      // The error belongs to the first chunk offered; the rest may be fine.
+      fail(batch[pos], -r, "submit failed");
+      ++pos;
+      continue;
+    }
+    inflight += r;
+    pos += static_cast<size_t>(r);
+  }
+  for (size_t i = batch.size(); i > pos; --i) retry.push_front(batch[i - 1]);
+}
+
+// Nothing of ours is in flight, so there is nothing to reap: pause briefly
+// before resubmitting what the kernel turned away.
+void Handle::Worker::wait_before_retry() {
+  if (!retry.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+// Waits a bounded time (so a stopping handle is noticed) and settles what completed.
+void Handle::Worker::reap() {
+  int got = engine->reap(comps.data(), cap, kReapTimeoutMs);
+  if (got < 0) {
+    // EINTR is routine; anything else means the kernel could not report,
+    // but the chunks are still its to finish, so keep waiting for them.
+    if (got != -EINTR) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return;
+  }
+  for (int i = 0; i < got; ++i) {
+    --inflight;
+    settle(comps[i].chunk, comps[i].res);
+  }
+}
+
+// Turns one completion into the chunk's next step: finished, failed or retried.
+void Handle::Worker::settle(Chunk* c, int64_t raw) {
+  const int64_t res = apply_fault(raw, c->remaining());
+  if (transient(res)) {
+    retry.push_back(c);
+  } else if (res < 0) {
+    fail(c, static_cast<int>(-res), c->write ? "write failed" : "read failed");
+  } else if (res == 0) {
+    if (c->write)
+      fail(c, EIO, "write made no progress");
+    else
+      fail(c, ENODATA, "unexpected end of file: the file shrank while it was being read");
+  } else {
+    const size_t before = c->done;
+    c->done += static_cast<size_t>(res);
+    if (c->done < c->len)
+      retry_short(c, before);
+    else
+      finish(c);
+  }
+}
+
+// A short transfer is legal; requeue the rest, but fail a chunk that hit end
+// of file or stopped making progress rather than retry it forever.
+void Handle::Worker::retry_short(Chunk* c, size_t before) {
+  // O_DIRECT needs an aligned offset, so the partial unit is moved again
+  // (harmless for reads and writes).
+  if (c->align > 1) {
+    if (!c->write && c->done % c->align != 0) {
+      // A direct read only ends off-alignment at end of file.
+      fail(c, ENODATA, "short read: the file ends inside this request");
+      return;
+    }
+    c->done = round_down(c->done, c->align);
+  }
+  if (c->done <= before && ++c->stalls > kMaxNoProgress) {
+    fail(c, EIO, c->write ? "write made no progress after repeated short writes"
+                          : "read made no progress after repeated short reads");
+    return;
+  }
+  retry.push_back(c);
+}
+
+// All bytes moved: hand a read's bounce copy to the user and tell the request.
+void Handle::Worker::finish(Chunk* c) {
+  if (c->bounce_slot >= 0 && !c->write) std::memcpy(c->user, c->buf, c->len);
+  release_bounce(c);
+  c->req->chunk_finished(nullptr);
+}
+
+// Records the chunk's error (-errno from below becomes an ErrorInfo here; the
+// Request throws it at the API edge) and retires the chunk.
+void Handle::Worker::fail(Chunk* c, int err, const char* what) {
+  ErrorInfo e = make_error(err, c->req->path_, c->cur_off(), what);
+  release_bounce(c);
+  c->req->chunk_finished(&e);
+}
+
+// Returns false when memory for the bounce buffer cannot be had.
+bool Handle::Worker::attach_bounce(Chunk* c) {
+  int idx = free_slots.back();
+  Slot& s = slots[idx];
+  if (s.size < c->len || s.align < c->align) {
+    std::free(s.mem);
+    s.mem = static_cast<char*>(aligned_alloc_bytes(c->len, c->align));
+    s.size = s.mem ? c->len : 0;
+    s.align = s.mem ? c->align : 0;
+    if (!s.mem) return false;
+  }
+  free_slots.pop_back();
+  c->bounce_slot = idx;
+  c->buf = s.mem;
+  if (c->write) std::memcpy(c->buf, c->user, c->len);
+  return true;
+}
+
+// Gives the chunk's bounce slot back for the next unaligned chunk.
+void Handle::Worker::release_bounce(Chunk* c) {
+  if (c->bounce_slot < 0) return;
+  free_slots.push_back(c->bounce_slot);
+  c->bounce_slot = -1;
+  c->buf = nullptr;
+}
 
 // ---------------------------------------------------------------- Handle
 
@@ -163,14 +341,12 @@ Handle::Handle(const HandleOptions& opts) : opts_(opts) {
   // a dead worker later.
   for (int i = 0; i < opts.threads; ++i) {
     int err = 0;
-    auto w = std::make_unique<Worker>();
-    w->engine = make_engine(opts.backend, opts.queue_depth, &err);
-    if (!w->engine)
+    std::unique_ptr<Engine> engine = make_engine(opts.backend, opts.queue_depth, &err);
+    if (!engine)
       throw IoError(make_error(err, "", -1, std::string("could not start the ") + backend_name(opts.backend) +
                                                 " engine (queue_depth " + std::to_string(opts.queue_depth) + ")"));
-    int cap = w->engine->capacity();
-    w->slots.resize(cap);
-    for (int s = cap - 1; s >= 0; --s) w->free_slots.push_back(s);
+    auto w = std::make_unique<Worker>(*this);
+    w->start(std::move(engine));
     workers_.push_back(std::move(w));
   }
   for (auto& w : workers_) {
@@ -322,136 +498,20 @@ void Handle::plan(Request& req, char* buf) {
   if (mid_hi < end) add(mid_hi, end, req.fd_buffered_, 1);
 }
 
+// The data flow of one worker: gather -> prepare -> submit -> reap -> settle
+// (finish, fail or retry), until the handle stops.
 void Handle::worker_loop(Worker* w) {
-  Engine& eng = *w->engine;  // valid until this loop returns
-  const int cap = eng.capacity();
-  std::vector<Chunk*> batch;
-  std::deque<Chunk*> retry;  // accepted earlier, need (re)submission
-  std::vector<Completion> comps(cap);
-  int inflight = 0;
-
-  auto fail = [&](Chunk* c, int err, const char* what) {
-    ErrorInfo e = make_error(err, c->req->path_, c->cur_off(), what);
-    w->release_bounce(c);
-    c->req->chunk_finished(&e);
-  };
-
-  for (;;) {
-    batch.clear();
-    // Without overlap_events a worker submits only into an empty queue:
-    // a batch goes out, and all of it completes before the next one.
-    const bool refill = opts_.overlap_events || inflight == 0;
-    while (refill && !retry.empty() && inflight + static_cast<int>(batch.size()) < cap) {
-      batch.push_back(retry.front());
-      retry.pop_front();
-    }
-    {
-      std::unique_lock<std::mutex> lk(queue_mu_);
-      if (inflight == 0 && batch.empty())
-        queue_cv_.wait(lk, [&] { return !queue_.empty() || stopping_; });
-      if (stopping_ && queue_.empty() && inflight == 0 && batch.empty()) {
-        lk.unlock();
-        // Tear the engine down here so that workers do it in parallel:
-        // io_destroy waits for an RCU grace period (tens of ms) each.
-        w->engine.reset();
-        return;
-      }
-      while (refill && !queue_.empty() && inflight + static_cast<int>(batch.size()) < cap) {
-        batch.push_back(queue_.front());
-        queue_.pop_front();
-      }
-    }
-
-    // Drop pieces of requests that already failed: their outcome is decided
-    // and the I/O would only waste bandwidth.
-    size_t keep = 0;
-    for (Chunk* c : batch) {
-      if (c->req->failed_.load()) {
-        w->release_bounce(c);
-        c->req->chunk_finished(nullptr);
-        continue;
-      }
-      if (c->user && c->bounce_slot < 0 && !w->attach_bounce(c)) {
-        fail(c, ENOMEM, "cannot allocate an aligned bounce buffer");
-        continue;
-      }
-      batch[keep++] = c;
-    }
-    batch.resize(keep);
-
-    size_t pos = 0;
-    while (pos < batch.size()) {
-      const int want = opts_.single_submit ? 1 : static_cast<int>(batch.size() - pos);
-      int r = eng.submit(batch.data() + pos, want);
-      submit_calls_.fetch_add(1, std::memory_order_relaxed);
-      if (r == -EAGAIN || r == -EINTR || r == 0) break;  // the kernel is busy: reap, then retry
-      if (r < 0) {
-        // The error belongs to the first chunk offered; the rest may be fine.
-        fail(batch[pos], -r, "submit failed");
-        ++pos;
-        continue;
-      }
-      inflight += r;
-      pos += static_cast<size_t>(r);
-    }
-    for (size_t i = batch.size(); i > pos; --i) retry.push_front(batch[i - 1]);
-    if (inflight == 0) {
-      if (!retry.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      continue;
-    }
-
-    int got = eng.reap(comps.data(), cap, kReapTimeoutMs);
-    if (got < 0) {
-      // EINTR is routine; anything else means the kernel could not report,
-      // but the chunks are still its to finish, so keep waiting for them.
-      if (got != -EINTR) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      continue;
-    }
-    for (int i = 0; i < got; ++i) {
-      Chunk* c = comps[i].chunk;
-      --inflight;
-      int64_t res = apply_fault(comps[i].res, c->remaining());
-      if (res == -EINTR || res == -EAGAIN) {
-        retry.push_back(c);
-        continue;
-      }
-      if (res < 0) {
-        fail(c, static_cast<int>(-res), c->write ? "write failed" : "read failed");
-        continue;
-      }
-      if (res == 0) {
-        if (c->write)
-          fail(c, EIO, "write made no progress");
-        else
-          fail(c, ENODATA, "unexpected end of file: the file shrank while it was being read");
-        continue;
-      }
-      size_t before = c->done;
-      c->done += static_cast<size_t>(res);
-      if (c->done < c->len) {
-        // Short transfer: requeue the rest. O_DIRECT needs an aligned offset,
-        // so the partial unit is moved again (harmless for reads and writes).
-        if (c->align > 1) {
-          if (!c->write && c->done % c->align != 0) {
-            // A direct read only ends off-alignment at end of file.
-            fail(c, ENODATA, "short read: the file ends inside this request");
-            continue;
-          }
-          c->done = round_down(c->done, c->align);
-        }
-        if (c->done <= before && ++c->stalls > kMaxNoProgress) {
-          fail(c, EIO, c->write ? "write made no progress after repeated short writes"
-                                : "read made no progress after repeated short reads");
-          continue;
-        }
-        retry.push_back(c);
-        continue;
-      }
-      if (c->bounce_slot >= 0 && !c->write) std::memcpy(c->user, c->buf, c->len);
-      w->release_bounce(c);
-      c->req->chunk_finished(nullptr);
-    }
+  while (w->gather()) {
+    w->prepare();
+    w->submit_batch();
+    if (w->inflight > 0)
+      w->reap();
+    else
+      w->wait_before_retry();
   }
+  // Tear the engine down here so that workers do it in parallel:
+  // io_destroy waits for an RCU grace period (tens of ms) each.
+  w->engine.reset();
 }
 
 }  // namespace infinity::io

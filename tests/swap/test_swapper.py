@@ -88,6 +88,7 @@ def test_pool_bound_under_random_concurrent_swaps(disk_dir):
             t.start()
         for t in threads:
             t.join(120)
+            assert not t.is_alive(), f"{t.name} still running after 120 s: a swap hung"
         assert not errors, errors
         assert pool.peak_in_use <= pool.count
         for k in data:
