@@ -30,7 +30,7 @@ build: $(BUILD_STAMP)
 # swap files in a temp dir, 60 steps: half a minute on 2 AVX-512 cores, about 4 minutes where there is only
 # AVX2); metrics and a plot land in runs/.
 run: build
-	$(PYTHON) -m infinity.cli train
+	$(PYTHON) -m infinity train
 
 test: build
 	$(PYTHON) -m pytest -q tests

@@ -131,6 +131,6 @@ setup(
     install_requires=["torch>=2.1", "numpy"],
     extras_require={"test": ["pytest", "hypothesis", "safetensors", "zarr>=3"], "plot": ["matplotlib"],
                     "zarr": ["zarr>=3"]},
-    entry_points={"console_scripts": ["infinity=infinity.cli:main"]},
+    entry_points={"console_scripts": ["infinity=infinity.tools.cli:main"]},
     zip_safe=False,
 )

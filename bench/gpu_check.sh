@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check')"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -m infinity.testing.parity
-python3 -m infinity.cli bench train --steps 5 --warmup 2 --rounds 1
+python3 -m infinity bench train --steps 5 --warmup 2 --rounds 1

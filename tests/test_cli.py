@@ -9,7 +9,7 @@ import pytest
 
 from infinity.io import available_backends
 
-INFINITY = [sys.executable, "-m", "infinity.cli"]
+INFINITY = [sys.executable, "-m", "infinity"]
 
 
 def run(*args):

@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from infinity.config import load_config
-from infinity.plan import Rates, activation_bytes, io_bytes, model_shape, plan
+from infinity.tools.plan import Rates, activation_bytes, io_bytes, model_shape, plan
 
 RATES = Rates(flops=2e11, adam_params_s=1e9, memcpy_bytes_s=1e10, disk_read_bytes_s=1.5e9, disk_write_bytes_s=2e9,
               layer_s=0.01)
 MiB = 1 << 20
-INFINITY = [sys.executable, "-m", "infinity.cli"]
+INFINITY = [sys.executable, "-m", "infinity"]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_the_base_configs_other_choices_are_kept(small, tmp_path):
 
 
 def test_micro_batch_and_precision_come_from_the_base_config(tmp_path):
-    from infinity.plan import make_plan
+    from infinity.tools.plan import make_plan
 
     base = tmp_path / "base.json"
     base.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3, "fp16": {"enabled": True},

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-INFINITY = [sys.executable, "-m", "infinity.cli"]
+INFINITY = [sys.executable, "-m", "infinity"]
 FIELDS = {"step", "loss", "step_s", "io_read_bytes", "io_write_bytes", "exposed_io_s", "prefetch_hit_rate",
           "peak_rss_bytes", "comm_s", "tokens_per_s"}
 
@@ -97,7 +97,7 @@ def test_bench_train_smoke_json():
 
 
 def test_without_matplotlib_train_says_there_is_no_plot(tmp_path, monkeypatch, capsys):
-    from infinity.cli import main
+    from infinity.tools.cli import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     assert main(["train", "--model", "gpt-tiny", "--steps", "2", "--seq", "32", "--out", str(tmp_path)]) == 0

@@ -9,9 +9,9 @@ import pytest
 
 from infinity.config import load_config
 from infinity.io import available_backends
-from infinity.tune import parse_duration, write_aio_section
+from infinity.tools.tune import parse_duration, write_aio_section
 
-INFINITY = [sys.executable, "-m", "infinity.cli", "tune"]
+INFINITY = [sys.executable, "-m", "infinity", "tune"]
 NATIVE = [b for b in available_backends() if b != "python"]
 needs_native = pytest.mark.skipif(not NATIVE, reason="tune measures the native backends; none is built here")
 # DeepSpeed's aio keys (runtime/swap_tensor/aio_config.py reads these and ignores others, such as our `backend`).

@@ -30,7 +30,7 @@ import time
 from types import SimpleNamespace
 
 from infinity.bench.fio import fio_available, run_fio
-from infinity.bench.swap import _PeakRss, _rss
+from infinity.memory_stats import PeakSampler, rss_bytes
 
 
 def add_arguments(p) -> None:
@@ -165,8 +165,8 @@ def _ours(engine, ck: str, tag: str) -> dict:
     """Save, verified load, unverified load of `tag`; times, RSS growth, and the bytes each moved on disk."""
     out = {}
     r0, w0 = _swap_bytes(engine)
-    before = _rss()
-    with _PeakRss() as rss:
+    before = rss_bytes()
+    with PeakSampler() as rss:
         t0 = time.perf_counter()
         path = engine.save_checkpoint(ck, tag)
         out["save_s"] = time.perf_counter() - t0
@@ -174,8 +174,8 @@ def _ours(engine, ck: str, tag: str) -> dict:
     ck_bytes = _dir_bytes(path)
     r1, w1 = _swap_bytes(engine)
     out["save_read_bytes"], out["save_write_bytes"] = r1 - r0, ck_bytes
-    before = _rss()
-    with _PeakRss() as rss:
+    before = rss_bytes()
+    with PeakSampler() as rss:
         t0 = time.perf_counter()
         engine.load_checkpoint(ck, tag)
         out["load_s"] = time.perf_counter() - t0

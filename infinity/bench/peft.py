@@ -40,7 +40,8 @@ def _one(mode: str, args: dict, model_dir: str, swap_dir: str, out_path: str) ->
     import transformers
 
     from infinity.engine import initialize, zero_init
-    from infinity.testing.parity import _peak_rss_reset, _vm, engine_config
+    from infinity.memory_stats import peak_rss_bytes, reset_peak, rss_bytes
+    from infinity.testing.parity import engine_config
 
     largest = args["vocab"] * args["hidden"]
     cfg = engine_config(args["offload"], swap_dir, **{
@@ -53,8 +54,8 @@ def _one(mode: str, args: dict, model_dir: str, swap_dir: str, out_path: str) ->
     if mode == "lora":
         import peft
     gc.collect()
-    _peak_rss_reset()
-    baseline = _vm("VmRSS")
+    reset_peak()
+    baseline = rss_bytes()
     with zero_init(cfg):
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if mode == "lora":
@@ -72,7 +73,7 @@ def _one(mode: str, args: dict, model_dir: str, swap_dir: str, out_path: str) ->
                "trained": sum(p.numel() for p in model.parameters() if p.requires_grad),
                "param_read_bytes": r.param_read_bytes, "optimizer_read_bytes": r.optimizer_read_bytes,
                "optimizer_write_bytes": r.optimizer_write_bytes, "step_s": r.step_s,
-               "peak_rss_over_baseline": _vm("VmHWM") - baseline, "loss": loss.item()}
+               "peak_rss_over_baseline": peak_rss_bytes() - baseline, "loss": loss.item()}
     finally:
         engine.close()
     with open(out_path, "w") as f:

@@ -4,7 +4,7 @@ For each model it runs `infinity train --memory-budget B` in a fresh
 process (the planner picks placement and buffers, and writes plan.json),
 then compares the predicted step time and peak memory over the baseline
 with what the run measured: the median step time after the first step,
-and the peak RSS (VmHWM since the baseline) minus the baseline. The same
+and the peak RSS since the baseline (`infinity.memory_stats`) minus the baseline. The same
 rows make the cost-per-parameter table of the README.
 """
 
@@ -61,7 +61,7 @@ def _run(args, config: str, keep: Path) -> int:
               f"{'peak pred':>9} {'peak meas':>9} {'ratio':>6} {'ns/param':>8} {'peak RSS':>9} {'setup':>6}")
     for model in args.models.split(","):
         out = keep / model
-        cmd = [sys.executable, "-m", "infinity.cli", "train", "--model", model, "--config", config,
+        cmd = [sys.executable, "-m", "infinity", "train", "--model", model, "--config", config,
                "--memory-budget", args.memory_budget, "--steps", str(args.steps), "--seq", str(args.seq),
                "--nvme-path", args.nvme_path, "--out", str(out)]
         if args.lr is not None:

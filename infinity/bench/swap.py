@@ -15,45 +15,18 @@ import json
 import os
 import statistics
 import tempfile
-import threading
 import time
 
 import torch
 
 from infinity.bench.fio import fio_available, run_fio
 from infinity.io import AsyncIO
+from infinity.memory_stats import PeakSampler, rss_bytes
 from infinity.optim import cpu_adam_step
 from infinity.swap import BufferPool, TensorSwapper
 from infinity.swap.optimizer import OptimizerSwapper
 from infinity.swap.telemetry import Trace
 from infinity.units import parse_count, parse_size
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _PeakRss:
-    """Samples RSS every 5 ms on a thread; `peak` is the largest seen."""
-
-    def __init__(self):
-        self.peak = _rss()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _rss())
 
 
 def add_arguments(p) -> None:
@@ -79,7 +52,7 @@ def run(args) -> int:
         raise SystemExit(f"bench swap: --dir {args.dir} is not a directory")
     block = parse_size(args.block_size, name="--block-size")
     numels = [min(group, numel - lo) for lo in range(0, numel, group)]
-    baseline = _rss()
+    baseline = rss_bytes()
     pool = BufferPool(args.buffer_count, 12 * max(numels))
     aio = AsyncIO(backend=args.backend, block_size=block, queue_depth=args.queue_depth)
     grad = torch.randn(max(numels)).to(torch.bfloat16)  # one shared gradient buffer: the bench times the state
@@ -94,7 +67,7 @@ def run(args) -> int:
         for i, n in enumerate(numels):
             opt.initialize(i, torch.randn(n, generator=g))
         times, stats = [], None
-        with _PeakRss() as rss:
+        with PeakSampler() as rss:
             for step in range(1, args.steps + 1):
                 trace.spans.clear()
                 stats = opt.step([grad[:n] for n in numels], step=step, lr=1e-4, weight_decay=0.01)

@@ -15,7 +15,6 @@ fastest steady-state step (the least disturbed); medians are printed too.
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -74,12 +73,13 @@ def child(args) -> int:
     import torch
 
     from infinity.engine import initialize, zero_init
+    from infinity.memory_stats import peak_rss_bytes
     from infinity.models import GPT
     from infinity.testing.parity import batch
 
     directory = args.dir
     model_cfg, cfg = config(args, args.child, directory)
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    baseline = peak_rss_bytes()  # the process's peak so far: interpreter, torch, the engine's imports
     torch.manual_seed(0)
     with zero_init(cfg):
         model = GPT(model_cfg)
@@ -99,14 +99,14 @@ def child(args) -> int:
                           "io_bytes": r.io_read_bytes + r.io_write_bytes, "optimizer_s": r.optimizer_s})
     finally:
         engine.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     print(json.dumps({"variant": args.child, "numel": numel, "steps": steps, "peak_rss_bytes": peak,
                       "baseline_rss_bytes": baseline}))
     return 0
 
 
 def _run_child(args, variant: str, directory: str) -> dict:
-    cmd = [sys.executable, "-m", "infinity.cli", "bench", "train", "--child", variant, "--dir", directory]
+    cmd = [sys.executable, "-m", "infinity", "bench", "train", "--child", variant, "--dir", directory]
     for k in ("layers", "dim", "vocab", "seq", "heads", "batch", "steps", "warmup", "precision"):
         cmd += [f"--{k}", str(getattr(args, k))]
     out = subprocess.run(cmd, capture_output=True, text=True)

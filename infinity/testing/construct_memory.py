@@ -10,7 +10,8 @@ import gc
 import json
 import torch
 
-from infinity.testing.parity import _peak_rss_reset, _vm, engine_config, run_in_child
+from infinity.memory_stats import peak_rss_bytes, reset_peak, rss_bytes
+from infinity.testing.parity import engine_config, run_in_child
 
 WIDTH = 1024
 LAYERS = 32
@@ -42,10 +43,10 @@ def _measure(build) -> dict:
     torch.set_num_threads(1)
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # torch._dynamo's one-time import
     gc.collect()
-    _peak_rss_reset()
-    baseline = _vm("VmRSS")
+    reset_peak()
+    baseline = rss_bytes()
     store, numel, largest_param = build()
-    out = {"peak_over_baseline": _vm("VmHWM") - baseline, "pool_bytes": store.swap.pool.nbytes,
+    out = {"peak_over_baseline": peak_rss_bytes() - baseline, "pool_bytes": store.swap.pool.nbytes,
            "state_bytes": 4 * numel, "largest_bytes": 4 * largest_param}
     store.close()
     return out

@@ -227,25 +227,13 @@ def run_with_a_dying_rank(cfg: dict, out_path: str, *, world: int = 2, die_at: i
     return record
 
 
-def _peak_rss_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM, the peak RSS, to the current RSS
-
-
-def _vm(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def memory_run(nvme_path: str, steps: int = 3, layers: int = 16) -> dict:
     """Train a model whose fp32 state is several times the swap buffers, all on NVMe; measure peak RSS.
 
     Returns the state and pool sizes and the peak RSS over the RSS before the model existed.
     """
     from infinity.engine import initialize, zero_init
+    from infinity.memory_stats import peak_rss_bytes, reset_peak, rss_bytes
 
     model = GPTConfig(vocab=1024, seq=64, layers=layers, dim=256, heads=4)
     largest = 4 * model.dim * model.dim
@@ -261,8 +249,8 @@ def memory_run(nvme_path: str, steps: int = 3, layers: int = 16) -> dict:
     # interpreter baseline, not the engine's, so it happens before the baseline is read.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     gc.collect()
-    _peak_rss_reset()
-    baseline = _vm("VmRSS")
+    reset_peak()
+    baseline = rss_bytes()
     with zero_init(cfg):
         m = GPT(model)
     engine = initialize(m, cfg)
@@ -278,7 +266,7 @@ def memory_run(nvme_path: str, steps: int = 3, layers: int = 16) -> dict:
     finally:
         engine.close()
     return {"numel": numel, "state_bytes": 16 * numel, "pool_bytes": pool, "baseline_rss": baseline,
-            "peak_over_baseline": _vm("VmHWM") - baseline, "losses": losses}
+            "peak_over_baseline": peak_rss_bytes() - baseline, "losses": losses}
 
 
 def _memory_main(nvme_path: str, out_path: str) -> None:

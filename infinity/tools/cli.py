@@ -1,4 +1,5 @@
-"""The `infinity` command: train, tune, plan, info, checkpoint export|info, bench io|adam|swap|train|plan|checkpoint|peft."""
+"""The `infinity` command (also `python -m infinity`): train, tune, plan, info, checkpoint export|info,
+bench io|adam|swap|train|plan|checkpoint|peft."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--dir", default=".", help="directory whose alignment and free space to report")
     info.add_argument("--json", action="store_true")
 
-    from infinity import train as train_cmd
+    from infinity.tools import train as train_cmd
 
     train_cmd.add_arguments(sub.add_parser("train", help="train a transformer with the ZeRO engine (the main job)"))
 
-    from infinity import plan
+    from infinity.tools import plan
 
     plan.add_arguments(sub.add_parser("plan", help="decide what lives where for a memory budget; write the config"))
-    from infinity import tune
+    from infinity.tools import tune
 
     tune.add_arguments(sub.add_parser("tune", help="sweep the aio settings on a disk; print and write the best"))
 
@@ -69,15 +70,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args) -> int:
     if args.cmd == "train":
-        from infinity import train as train_cmd
+        from infinity.tools import train as train_cmd
 
         return train_cmd.run(args)
     if args.cmd == "plan":
-        from infinity import plan
+        from infinity.tools import plan
 
         return plan.run(args)
     if args.cmd == "tune":
-        from infinity import tune
+        from infinity.tools import tune
 
         return tune.run(args)
     if args.cmd == "checkpoint":
@@ -85,7 +86,7 @@ def _dispatch(args) -> int:
 
         return ckpt.run(args)
     if args.cmd == "info":
-        from infinity import info
+        from infinity.tools import info
 
         return info.run(args)
     if args.cmd == "bench" and args.what == "io":

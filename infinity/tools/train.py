@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 def add_arguments(p) -> None:
     p.add_argument("--config", default=None,
                    help="swap config (default: the shipped nvme_offload.json: parameters and optimizer on NVMe)")
@@ -84,7 +85,7 @@ def _launch(args, out: Path) -> int:
             continue
         argv.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "infinity.cli", *argv, "--out", str(out)]
+           f"--master_port={_free_port()}", "-m", "infinity", *argv, "--out", str(out)]
     return subprocess.call(cmd)
 
 
@@ -92,28 +93,6 @@ def _free_port() -> int:
     from infinity.testing.parity import free_port
 
     return free_port()
-
-
-def build_model(name: str):
-    """(model, vocab, seq, forward) for a preset or a Hugging Face config.json."""
-    from infinity.models import GPT, PRESETS
-
-    if name in PRESETS:
-        cfg = PRESETS[name]
-        model = GPT(cfg)
-        return model, cfg.vocab, cfg.seq, lambda m, x, y: m(x, y)
-    path = Path(name)
-    if path.suffix == ".json" and path.is_file():
-        try:
-            import transformers
-        except ImportError:
-            raise ValueError(f"--model {name}: a Hugging Face config needs the transformers package") from None
-        hf_cfg = transformers.AutoConfig.from_pretrained(str(path.parent))
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
-        seq = getattr(hf_cfg, "n_positions", None) or getattr(hf_cfg, "max_position_embeddings", 256)
-        return model, hf_cfg.vocab_size, seq, lambda m, x, y: m(input_ids=x, labels=x).loss
-    known = ", ".join(PRESETS)
-    raise ValueError(f"--model {name!r}: not a preset ({known}) nor an existing config.json file")
 
 
 def _sized_config(args, nvme: str, largest: int, micro: int):
@@ -147,6 +126,7 @@ def _train(args, out: Path, nvme: str) -> int:
 
     from infinity.engine import initialize, zero_init
     from infinity.engine.comm import init_distributed
+    from infinity.models import build_model
 
     torch.manual_seed(args.seed)
     with torch.device("meta"):
@@ -159,7 +139,7 @@ def _train(args, out: Path, nvme: str) -> int:
     micro = load_config(args.config, nvme_path=nvme).train_micro_batch_size_per_gpu or 4
     planned = None
     if args.memory_budget is not None:
-        from infinity.plan import describe, make_plan
+        from infinity.tools.plan import describe, make_plan
 
         world_env = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         planned, shape, rates = make_plan(model=args.model, memory_budget=args.memory_budget, nvme_path=nvme,
@@ -262,7 +242,7 @@ def _batch(step: int, size: int, seq: int, vocab: int):
 
 
 def baseline_rss() -> int:
-    from infinity.plan import baseline_rss as measure
+    from infinity.tools.plan import baseline_rss as measure
 
     return measure()
 
@@ -280,12 +260,10 @@ def _dir_bytes(path: str) -> int:
 
 
 def _peak_rss() -> int:
-    """Peak RSS since the baseline was taken (VmHWM, reset then), or the process's ru_maxrss elsewhere."""
-    import resource
+    """Peak RSS since the baseline was taken (VmHWM, reset then), or the process's ru_maxrss where /proc is missing."""
+    from infinity.memory_stats import peak_rss_bytes
 
-    from infinity.plan import proc_status
-
-    return proc_status("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_rss_bytes()
 
 
 def _progress(row: dict, steps: int) -> None:

@@ -190,7 +190,7 @@ def test_a_lora_checkpoint_resumes_exactly_on_nvme(tmp_path, disk_dir):
 
 
 def test_export_hf_gives_from_pretrained_the_trained_weights(tmp_path, disk_dir):
-    from infinity.cli import main
+    from infinity.tools.cli import main
 
     path = saved(tmp_path, gpt2_config())  # a tied head: exported once, tied again by from_pretrained
     cfg = cfg_for("nvme", disk_dir, largest=256 * 64)
@@ -234,7 +234,7 @@ def test_export_hf_of_a_non_hf_checkpoint_says_what_to_do(tmp_path, disk_dir):
 def test_bench_peft_smoke(tmp_path, capsys):
     import json
 
-    from infinity.cli import main
+    from infinity.tools.cli import main
 
     assert main(["bench", "peft", "--dir", str(tmp_path), "--layers", "1", "--hidden", "64", "--vocab", "256",
                  "--steps", "2", "--in-process", "--json"]) == 0
