@@ -40,8 +40,8 @@ def cases(nvme: str) -> dict[str, tuple[dict, dict]]:
     mixed = engine_config("nvme", nvme)
     mixed["zero_optimization"]["offload_param"] = {"device": "cpu"}
     out["params cpu, optimizer nvme"] = (mixed, {})
-    out["stage 2, optimizer cpu"] = (engine_config("none", nvme, **{"zero_optimization.stage": 2,
-                                                                    "zero_optimization.offload_optimizer.device": "cpu"}), {})
+    stage2 = {"zero_optimization.stage": 2, "zero_optimization.offload_optimizer.device": "cpu"}
+    out["stage 2, optimizer cpu"] = (engine_config("none", nvme, **stage2), {})
     return out
 
 

@@ -151,7 +151,7 @@ def load(engine, directory, tag: str | None = None, *, verify: bool = True, modu
     engine.store.refresh_persistent()  # collective: only once every rank has loaded
     apply()
     if not optimizer_states:  # fresh moments: Adam starts counting again, as DeepSpeed's re-created optimizer
-        engine.optimizer.step_count = 0
+        engine.restore_counters(optimizer_steps=0)
     return root, client_state
 
 
@@ -248,8 +248,8 @@ def _prepare_restore(engine, m: dict, root: str, module_only: bool, lr_scheduler
     from infinity.engine.loss_scaler import LossScaler
 
     def fresh_optimizer():
-        engine.optimizer.step_count = 0
-        _forget_gradients(engine)
+        engine.restore_counters(optimizer_steps=0)
+        engine.forget_gradients()
 
     if module_only:  # Adam starts afresh from the loaded weights; the engine's counters stay
         return fresh_optimizer
@@ -290,10 +290,8 @@ def _prepare_restore(engine, m: dict, root: str, module_only: bool, lr_scheduler
     use_scaler = bool(e.get("fp16")) and engine.config.fp16.enabled
 
     def apply():
-        engine.global_steps = counters["global_steps"]
-        engine.skipped_steps = counters["skipped_steps"]
-        engine.micro_steps = engine.micro_steps_at_last_step = counters["micro_steps"]
-        engine.optimizer.step_count = counters["optimizer_steps"]
+        engine.restore_counters(global_steps=counters["global_steps"], skipped_steps=counters["skipped_steps"],
+                                micro_steps=counters["micro_steps"], optimizer_steps=counters["optimizer_steps"])
         for g, lr in zip(engine.optimizer.param_groups, lrs):
             g["lr"] = lr
         if use_scaler:
@@ -302,21 +300,9 @@ def _prepare_restore(engine, m: dict, root: str, module_only: bool, lr_scheduler
             sched.load_state_dict(sched_state)
         if rng is not None:
             restore_rng(rng)
-        _forget_gradients(engine)
+        engine.forget_gradients()
 
     return apply
-
-
-def _forget_gradients(engine) -> None:
-    """Gradients accumulated before the load belong to the old state."""
-    engine._overlapped = None
-    engine.micro_steps_at_last_step = engine.micro_steps
-    for g in engine.optimizer.groups:
-        g.grad = None
-        for mp in g.params:
-            mp.grad = None
-    for mp in engine.store.params:
-        mp.param.grad = None
 
 
 def _decode_scheduler(state: dict, root: str):

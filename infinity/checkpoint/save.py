@@ -199,7 +199,7 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
         raise RuntimeError(f"save_checkpoint: called after {engine.micro_steps % engine.gas} of "
                            f"{engine.gas} micro-batches of gradient accumulation; the accumulated gradients are not "
                            "part of a checkpoint, so save after engine.step()")
-    if engine.micro_steps != engine.micro_steps_at_last_step:
+    if engine.gradients_pending():
         raise RuntimeError("save_checkpoint: called between engine.backward() and engine.step(); the gradients "
                            "(or a step taken during backward) are not part of a checkpoint, so save after "
                            "engine.step()")
@@ -260,10 +260,7 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
                         for state, t in zip(STATES, (p, m, v)):
                             w.write(chunk_path(partial, state, mp.name, rank), t[off:off + mp.part])
                 except BaseException:
-                    try:
-                        w.finish()  # the views must outlive every write that was submitted
-                    except BaseException:  # noqa: BLE001 - the first error is the one raised
-                        pass
+                    w.finish_quietly()  # the views must outlive every write that was submitted
                     raise
                 crash_point("group")
                 mark = w.mark()
@@ -279,10 +276,7 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
                                 flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat)
             w.finish()
         except BaseException:
-            try:
-                w.finish()  # nothing may still be writing from the state once we return
-            except BaseException:  # noqa: BLE001 - the first error is the one raised
-                pass
+            w.finish_quietly()  # nothing may still be writing from the state once we return
             raise
         finally:
             io.close()

@@ -21,6 +21,7 @@ from infinity.checkpoint.export import _ST_DTYPES
 from infinity.checkpoint.layout import fsync_dir
 from infinity.engine.params import managed
 from infinity.engine.zero_init import gathered_parameters
+from infinity.swap.tier import HOST
 
 
 def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = False) -> bool:
@@ -32,7 +33,7 @@ def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = F
         return False
     dtype = engine.store.dtype
     state = engine.module.state_dict(keep_vars=True)
-    names, seen = [], {}
+    names = []
     for key, t in state.items():
         if exclude_frozen and isinstance(t, torch.nn.Parameter) and not t.requires_grad:
             continue
@@ -67,7 +68,7 @@ def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = F
             with ctx:
                 if f is not None and err is None:
                     try:
-                        value = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+                        value = t.detach().to(HOST, dtype if t.is_floating_point() else t.dtype).contiguous()
                         f.write(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
                     except Exception as exc:  # noqa: BLE001
                         err = exc

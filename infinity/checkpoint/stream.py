@@ -13,10 +13,10 @@ import os
 import numpy as np
 import torch
 
-from infinity._native_loader import native
 from infinity.checkpoint.layout import CheckpointCorruptionError, CheckpointError
 from infinity.io import AsyncIO, aligned_empty
 from infinity.swap.checksum import crc32c
+from infinity.swap.tier import HOST
 
 PIECE = 4 << 20  # bytes per verification read
 DEPTH = 4  # verification reads in flight; PIECE x DEPTH is all the staging memory
@@ -24,11 +24,7 @@ DEPTH = 4  # verification reads in flight; PIECE x DEPTH is all the staging memo
 
 def open_io(cfg, directory: str) -> AsyncIO:
     """An AsyncIO with the config's aio settings, O_DIRECT only where `directory`'s filesystem has it."""
-    aio = cfg.aio
-    direct = cfg.infinity.direct_io and native is not None and native.direct_alignment(directory) != 0
-    return AsyncIO(backend=aio.backend, block_size=aio.block_size, queue_depth=aio.queue_depth,
-                   threads=aio.intra_op_parallelism, direct=direct, single_submit=aio.single_submit,
-                   overlap_events=aio.overlap_events)
+    return AsyncIO.from_config(cfg, directory)
 
 
 MAX_IN_FLIGHT = 64  # requests; the native handle holds a file open per request until it completes
@@ -76,6 +72,13 @@ class Window:
     def finish(self) -> None:
         self.wait_upto(self.submitted)
 
+    def finish_quietly(self) -> None:
+        """finish() while another error is being raised (that one is the error that counts)."""
+        try:
+            self.finish()
+        except BaseException:  # noqa: BLE001
+            pass
+
 
 class ChunkWriter(Window):
     """Chunk writes through a Window; the caller keeps each tensor alive until finish() returns or raises."""
@@ -86,7 +89,7 @@ class ChunkWriter(Window):
 
     def write(self, path: str, values: torch.Tensor) -> None:
         """path := values' bytes, then their CRC-32C (little endian); the data write runs while the CRC is taken."""
-        if values.device.type != "cpu" or not values.is_contiguous():
+        if values.device != HOST or not values.is_contiguous():
             raise ValueError(f"ChunkWriter.write({path}): needs a contiguous CPU tensor")
         nbytes = values.numel() * values.element_size()
         if nbytes:

@@ -287,10 +287,10 @@ def _check_semantics(cfg: Config) -> None:
                               'is required when device is "nvme"; point it at a directory on a fast disk')
     if cfg.optimizer.params.amsgrad:
         raise ConfigError("optimizer.params.amsgrad", "amsgrad is not supported; set it to false or remove it")
-    if zero.offload_optimizer.ratio < 1.0:
+    if zero.offload_optimizer.ratio < 1.0 and zero.offload_optimizer.device == "none":
         raise ConfigError("zero_optimization.offload_optimizer.ratio",
-                          f"partial optimizer offload ({zero.offload_optimizer.ratio}) is not supported yet: the "
-                          "whole optimizer state is offloaded or none of it; set it to 1.0 or remove it")
+                          f"{zero.offload_optimizer.ratio} offloads part of the optimizer state, but "
+                          'offload_optimizer.device is "none"; set device to "cpu" or "nvme", or remove ratio')
     tb, mb, acc = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps or 1
     if tb is not None and mb is not None and tb % (mb * acc) != 0:
         raise ConfigError("train_batch_size",

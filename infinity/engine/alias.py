@@ -45,19 +45,17 @@ class _SliceFuture:
 class OptimizerSliceReader:
     """The scheduler's reader in fp32-alias mode: swap_in/release like a TensorSwapper, over file slices."""
 
-    def __init__(self, store, optimizer):
+    def __init__(self, store):
         self.pool = store.swap.pool
         self.aio = store.swap.io
-        self.optimizer = optimizer
         self.checksums = store.swap.swapper.checksums
         self.where: dict[str, tuple] = {}  # sid -> (path, byte offset, elements)
         self.crc: dict[str, int] = {}
         self._held: dict = {}
 
-    def place(self, mp, sid: str, group_index: int, offset: int) -> None:
-        sw = self.optimizer.swapper
-        path = sw.swapper.path_of(sw.ids[group_index])
-        self.where[sid] = (path, HEADER + 4 * offset, mp.part)
+    def place(self, sid: str, path: str, offset: int, numel: int) -> None:
+        """Shard `sid` is `numel` fp32 values at element `offset` of the p region of the group file `path`."""
+        self.where[sid] = (path, HEADER + 4 * offset, numel)
 
     def record(self, sid: str, values: torch.Tensor) -> None:
         """The optimizer just produced this shard's new values (they are about to be written)."""

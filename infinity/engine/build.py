@@ -8,6 +8,7 @@ from infinity.config import Config, load_config
 from infinity.engine.comm import Comm
 from infinity.engine.params import ParamStore
 from infinity.engine.scheduler import PrefetchScheduler
+from infinity.swap.tier import HOST, Tier
 
 
 def as_config(config) -> Config:
@@ -25,21 +26,21 @@ def compute_dtype(cfg: Config) -> torch.dtype:
 def compute_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return HOST
 
 
 def build_store(cfg: Config, comm: Comm) -> ParamStore:
     from infinity.swap import SwapContext
 
     zero = cfg.zero_optimization
-    tier = zero.offload_param.device if zero.stage == 3 else "none"
-    swap = SwapContext.for_params(cfg, rank=comm.rank) if tier == "nvme" else None
+    tier = Tier(zero.offload_param.device) if zero.stage == 3 else Tier.DEVICE
+    swap = SwapContext.for_params(cfg, rank=comm.rank) if tier is Tier.NVME else None
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
     store = ParamStore(comm, tier=tier, dtype=compute_dtype(cfg), device=compute_device(), persistence=persistence,
-                       stage=zero.stage, swap=swap)
+                       stage=zero.stage, swap=swap, max_in_cpu=zero.offload_param.max_in_cpu)
     store.max_live = zero.stage3_max_live_parameters
     store.reduce_bucket = zero.reduce_bucket_size
-    if tier == "nvme":
+    if swap is not None:
         store.scheduler = PrefetchScheduler(store, zero.stage3_prefetch_bucket_size,
                                             zero.stage3_max_reuse_distance)
     return store

@@ -38,7 +38,7 @@ class Comm:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
-        self.backend = dist.get_backend() if self.distributed else "none"
+        self.backend = dist.get_backend() if self.distributed else None  # one process: no collectives
         # gloo has no reduce_scatter; an all_reduce then a slice gives the same shard at twice the traffic.
         self.native_reduce_scatter = self.backend == "nccl"
         self.time_s = 0.0  # wall time inside blocking collectives (communication in the step breakdown)

@@ -29,6 +29,8 @@ from infinity.engine.memory import return_freed_memory_to_os
 from infinity.engine.optimizer import ShardedAdam
 from infinity.engine.params import ParamStore, managed
 from infinity.engine.zero_init import current_store
+from infinity.swap.telemetry import Trace
+from infinity.swap.tier import Tier
 
 
 log = logging.getLogger("infinity")
@@ -103,6 +105,9 @@ class Engine:
         self._t_last = time.perf_counter()
         self._fetch_stats = []
         self._overlapped = None  # the result of a step taken during backward, for step() to report
+        self.trace = Trace() if cfg.infinity.trace_path else None
+        """Spans of forward, backward, step and the optimizer's I/O and Adam (infinity.trace_path), written at close."""
+        optimizer.trace = self.trace
         self._forced_boundary = None  # set_gradient_accumulation_boundary
         self._said_no_sync = False
         self._param_written_mark = self._param_bytes_written()
@@ -127,7 +132,7 @@ class Engine:
         if self.store.scheduler is not None:
             self.store.scheduler.begin_step()
         args, kwargs = _cast_floats((args, kwargs), self.store.dtype, self.store.device)
-        with self.hooks.saved_tensors():
+        with self._span("forward"), self.hooks.saved_tensors():
             return self.module(*args, **kwargs)
 
     forward = __call__
@@ -150,13 +155,13 @@ class Engine:
         if overlap:
             self.optimizer.begin_overlapped_step()
         try:
-            with self.hooks.saved_tensors():
+            with self._span("backward"), self.hooks.saved_tensors():
                 scaled.backward(retain_graph=retain_graph)
             self.store.flush_grads()
             if overlap:
                 self._overlapped = self.optimizer.end_overlapped_step()
         finally:
-            self.optimizer.overlapping = False
+            self.optimizer.cancel_overlapped_step()  # a no-op after end_overlapped_step
         self.micro_steps += 1
         if self.store.scheduler is not None:
             self._fetch_stats.append(self.store.scheduler.drain())
@@ -266,8 +271,9 @@ class Engine:
             overflow, norm, stats = self._overlapped
             self._overlapped = None
         else:
-            overflow, norm, stats = self.optimizer.step(loss_scale=self.scaler.scale,
-                                                        max_norm=self.config.gradient_clipping)
+            with self._span("optimizer step"):
+                overflow, norm, stats = self.optimizer.step(loss_scale=self.scaler.scale,
+                                                            max_norm=self.config.gradient_clipping)
         self.scaler.update(overflow)
         self.optimizer.overflow = overflow
         if overflow:
@@ -359,6 +365,33 @@ class Engine:
 
         return save_16bit(self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
 
+    # ------------------------------------------------- for checkpoint code
+
+    def gradients_pending(self) -> bool:
+        """A backward has run since the last step: gradients (or a step taken during backward) are in flight."""
+        return self.micro_steps != self.micro_steps_at_last_step
+
+    def restore_counters(self, *, global_steps: int | None = None, skipped_steps: int | None = None,
+                         micro_steps: int | None = None, optimizer_steps: int | None = None) -> None:
+        """Set the step counters a checkpoint carries (those given); the optimizer's is Adam's step count."""
+        if global_steps is not None:
+            self.global_steps = global_steps
+        if skipped_steps is not None:
+            self.skipped_steps = skipped_steps
+        if micro_steps is not None:
+            self.micro_steps = self.micro_steps_at_last_step = micro_steps
+        if optimizer_steps is not None:
+            self.optimizer.step_count = optimizer_steps
+
+    def forget_gradients(self) -> None:
+        """Drop every gradient accumulated so far and any step taken during backward: they belong to the
+        state a checkpoint load has just replaced."""
+        self._overlapped = None
+        self.micro_steps_at_last_step = self.micro_steps
+        self.optimizer.forget_gradients()
+        for mp in self.store.params:
+            mp.param.grad = None
+
     def close(self) -> None:
         """Remove hooks, stop I/O and delete swap files. The model's parameters are left as placeholders."""
         if self._closed:
@@ -367,6 +400,21 @@ class Engine:
         self.hooks.remove()
         self.optimizer.close()
         self.store.close()
+        if self.trace is not None:
+            path = self.config.infinity.trace_path
+            self.trace.export(path if self.comm.world == 1 else f"{path}.rank{self.comm.rank}")
+
+    @contextlib.contextmanager
+    def _span(self, name: str):
+        """A span of the Chrome trace (infinity.trace_path), when one is being kept."""
+        if self.trace is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.trace.add(name, "engine", t0, time.perf_counter(), 0)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -433,11 +481,11 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     from infinity.swap import SwapContext
 
     cfg = resolve_auto(as_config(config), model)
-    return_freed_memory_to_os()
+    return_freed_memory_to_os()  # so that peak RSS measures what is alive: [Note: glibc's mmap threshold]
     comm = init_distributed(cfg.infinity.comm_timeout_s)
     batch = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
                           comm.world)  # before anything is built: an inconsistent set fails here
-    store = next((managed(p).extra["store"] for p in model.parameters() if managed(p) is not None), None)
+    store = next((managed(p).store for p in model.parameters() if managed(p) is not None), None)
     if store is None:
         store = current_store() or build_store(cfg, comm)
     store.reduce_bucket = cfg.zero_optimization.reduce_bucket_size  # "auto" may have been filled from the model
@@ -484,7 +532,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
                 module._buffers[key] = b.to(store.device)
     opt_swap = None
     try:
-        if cfg.zero_optimization.offload_optimizer.device == "nvme":
+        if Tier(cfg.zero_optimization.offload_optimizer.device) is Tier.NVME:
             by_group = [[managed(p) for p in g["params"]] for g in groups]
             sizes = [g.numel for g in ShardedAdam._plan(by_group, cfg.zero_optimization.sub_group_size)]
             opt_swap = SwapContext.for_optimizer(cfg, rank=comm.rank, largest_group_numel=max(sizes, default=1))
@@ -515,14 +563,14 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
     params = {id(p): p for p in model.parameters()}
     part = {k: math.ceil(p.numel() / world) for k, p in params.items()}
     param_bytes = opt_bytes = 0
-    if store.tier == "nvme":
+    if store.tier is Tier.NVME:
         compute = torch.empty((), dtype=store.dtype).element_size()
         for k, p in params.items():
             if managed(p) is None and k in trained:
                 param_bytes += 4 * part[k]  # adopted now, in fp32
             if compute != 4:
                 param_bytes += compute * part[k]  # the compute-dtype copy written after each step (or frozen)
-    if zero.offload_optimizer.device == "nvme":
+    if Tier(zero.offload_optimizer.device) is Tier.NVME:
         opt_bytes = 12 * sum(part[k] for k in trained)
     need: dict = {}
     for slot, path, n in ((1, zero.offload_param.nvme_path, param_bytes),

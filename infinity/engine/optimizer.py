@@ -4,11 +4,21 @@ The managed parameters' shards are packed, in registration order, into
 sub-groups of at most `zero_optimization.sub_group_size` elements (a larger
 parameter is a group of its own). A group is what the optimizer moves and
 steps at once: one flat fp32 gradient buffer (the `grad` view of each
-ManagedParam points into it), and one master/exp_avg/exp_avg_sq triple,
-either as tensors in RAM (offload_optimizer none or cpu) or as one
-[param | exp_avg | exp_avg_sq] swap partition (nvme, via OptimizerSwapper).
-After each group's Adam the new weights go straight to the parameter store
-(`publish`), in the compute dtype the kernel wrote in the same pass.
+ManagedParam points into it), and its master/exp_avg/exp_avg_sq, owned by a
+`GroupState` of the group's tier (infinity/swap/state.py: device memory,
+host RAM, or one [param | exp_avg | exp_avg_sq] NVMe swap partition). The
+step, the checkpoint export and the import are each one walk over the
+groups' states by `StatePipeline` ([Note: one pipeline] in swap/pipeline.py),
+with no tier branch here. After each group's Adam the new weights go
+straight to the parameter store (`publish`), in the compute dtype the
+kernel wrote in the same pass.
+
+[Note: partial offload]
+`offload_optimizer.ratio` (DeepSpeed's Twin-Flow) offloads that fraction of
+the optimizer state and keeps the rest on the compute device: sub-groups are
+offloaded in order while the offloaded elements stay within ratio x the
+total, and the remaining groups get device states, stepped where they live.
+ratio 1 (the default) offloads every group, ratio 0 none.
 
 [Note: stepping during backward]
 A group's gradient is final once every one of its parameters has had its
@@ -45,15 +55,15 @@ import torch
 
 from infinity.engine.comm import Comm
 from infinity.engine.params import ParamStore
-from infinity.optim import cpu_adam_step, grads_finite
-from infinity.swap.registry import Residency
-from infinity.swap.swapper import wait_all
+from infinity.optim import grads_finite
+from infinity.swap.pipeline import Mode, StatePipeline
+from infinity.swap.state import DeviceState, GroupState, HostState, NvmeState
 from infinity.swap.telemetry import StepStats
+from infinity.swap.tier import HOST, Tier
 
 
 class _Group:
-    __slots__ = ("index", "params", "offsets", "numel", "grad", "master", "exp_avg", "exp_avg_sq", "waiting",
-                 "stepped", "param_group")
+    __slots__ = ("index", "params", "offsets", "numel", "grad", "state", "waiting", "stepped", "param_group")
 
     def __init__(self, index, params, param_group: int = 0):
         self.index = index
@@ -66,9 +76,15 @@ class _Group:
             self.offsets.append(off)
             off += mp.part
         self.numel = off
-        self.grad = self.master = self.exp_avg = self.exp_avg_sq = None
+        self.grad = None
+        self.state: GroupState | None = None
+        """Its master weights and moments, on its tier."""
         self.waiting = 0
         self.stepped = False
+
+    def slices(self):
+        """(a one-parameter group, lo, hi) per parameter: the unit a checkpoint stages through host memory."""
+        return [(_OneParam(mp, self.index), off, off + mp.part) for mp, off in zip(self.params, self.offsets)]
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -86,23 +102,28 @@ class ShardedAdam(torch.optim.Optimizer):
                                         "weight_decay": hp.weight_decay})
         self.store = store
         self.comm = comm
-        self.tier = cfg.zero_optimization.offload_optimizer.device
+        off = cfg.zero_optimization.offload_optimizer
+        self.tier = Tier(off.device)
+        """Where offloaded sub-groups live; with ratio < 1 the others stay on the device ([Note: partial offload])."""
         self.step_count = 0
         self.groups = self._plan(self.managed_groups(), cfg.zero_optimization.sub_group_size)
         self.group_of = {id(mp): g for g in self.groups for mp in g.params}
-        self.grad_device = store.device if self.tier == "none" else torch.device("cpu")
         self.lowp = None
         if store.dtype != torch.float32:
             biggest = max((g.numel for g in self.groups), default=0)
             self.lowp = torch.empty(biggest, dtype=store.dtype)
         self.swap = swap
-        self.swapper = None
-        self.overlapping = False
-        self._overlap_stats = None
+        self._pipe: StatePipeline | None = None  # the step during backward's, between begin and end
+        self.trace = None  # a telemetry.Trace (infinity.trace_path): the pipelines add their spans to it
         self._overlap_sq = 0.0
         store.grad_for = self.grad_for
         store.grad_ready = self.grad_ready
-        self._init_state()
+        self._init_state(off.ratio)
+
+    @property
+    def overlapping(self) -> bool:
+        """A step during backward is under way (see [Note: stepping during backward])."""
+        return self._pipe is not None
 
     def managed_groups(self) -> list[list]:
         """The ManagedParams of each parameter group, in registration order."""
@@ -132,47 +153,65 @@ class ShardedAdam(torch.optim.Optimizer):
         return dict(self.hyper, lr=float(pg["lr"]), betas=tuple(pg["betas"]), eps=float(pg["eps"]),
                     weight_decay=float(pg["weight_decay"]), **step)
 
-    def _init_state(self) -> None:
-        """Master weights from the store's current shards; then the store switches to the compute dtype."""
-        store = self.store
-        if self.tier == "nvme":
-            from infinity.swap.optimizer import OptimizerSwapper
+    # ------------------------------------------------------------ the state
 
-            self.swapper = OptimizerSwapper(self.swap.swapper, [g.numel for g in self.groups], name="optim")
-        for i, g in enumerate(self.groups):
-            master = torch.empty(g.numel, dtype=torch.float32)
-            for mp, off in zip(g.params, g.offsets):
-                master[off:off + mp.part].copy_(store.read_shard(mp, torch.float32, scheduled=False))
-            if self.swapper is not None:
-                self.swapper.initialize(i, master)
-            else:
-                dev = store.device if self.tier == "none" else torch.device("cpu")
-                g.master = master.to(dev)
-                g.exp_avg = torch.zeros_like(g.master)
-                g.exp_avg_sq = torch.zeros_like(g.master)
-            if not self._aliasing():
-                self._publish(g, master)
+    def _tiers(self, ratio: float) -> list[Tier]:
+        """Each sub-group's tier (see [Note: partial offload])."""
+        total = sum(g.numel for g in self.groups)
+        out, offloaded = [], 0
+        for g in self.groups:
+            fits = offloaded + g.numel <= ratio * total
+            out.append(self.tier if fits else Tier.DEVICE)
+            offloaded += g.numel if fits else 0
+        return out
+
+    def _new_state(self, g: _Group, tier: Tier) -> GroupState:
+        make = {Tier.DEVICE: lambda: DeviceState(g.numel, self.store.device, slices=g.slices()),
+                Tier.CPU: lambda: HostState(g.numel),
+                Tier.NVME: lambda: NvmeState(g.numel, self.swap.swapper, f"optim/g{g.index}")}
+        return make[tier]()
+
+    def _init_state(self, ratio: float) -> None:
+        """Master weights from the store's current shards, zero moments; then the store switches to the
+        compute dtype (or, in fp32-alias mode, reads its shards from the optimizer's files)."""
+        store = self.store
+        for g, tier in zip(self.groups, self._tiers(ratio)):
+            g.state = self._new_state(g, tier)
+        reader = None
         if self._aliasing():
             from infinity.engine.alias import OptimizerSliceReader
 
-            reader = OptimizerSliceReader(store, self)
-            for g in self.groups:
+            reader = OptimizerSliceReader(store)
+
+        def first(i: int, views) -> None:
+            g = self.groups[i]
+            for mp, off in zip(g.params, g.offsets):
+                views.param[off:off + mp.part].copy_(store.read_shard(mp, torch.float32, scheduled=False))
+            views.exp_avg.zero_()
+            views.exp_avg_sq.zero_()
+            if reader is None:
+                self._publish(g, views.param)
+            else:  # the checksums of the initial shards, as they are about to be written
                 for mp, off in zip(g.params, g.offsets):
-                    sid = f"alias/{mp.index}"
-                    reader.place(mp, sid, g.index, off)
+                    reader.place(f"alias/{mp.index}", g.state.path, off, mp.part)
+                    reader.record(f"alias/{mp.index}", views.param[off:off + mp.part])
+
+        StatePipeline(Mode.FILL).over(self._states(), first)
+        if reader is not None:
             store.alias_to(reader)
-            for i, g in enumerate(self.groups):  # checksums of the initial shards, from the files just written
-                p, _, _ = self.swapper.read_state(i)
-                for mp, off in zip(g.params, g.offsets):
-                    reader.record(f"alias/{mp.index}", p[off:off + mp.part])
-        self._flush()
+        store.flush()
         store.refresh_persistent()
 
+    def _states(self) -> list[GroupState]:
+        return [g.state for g in self.groups]
+
     def _aliasing(self) -> bool:
-        """fp32 compute with parameters and optimizer both on NVMe: see [Note: fp32 shards live in the
-        optimizer file] in alias.py."""
-        return (self.swapper is not None and self.store.tier == "nvme" and self.store.dtype == torch.float32
-                and self.store.swap is not None)
+        """fp32 compute with every trained parameter's shard and every sub-group's state on NVMe: see [Note:
+        fp32 shards live in the optimizer file] in alias.py."""
+        nvme = self.store.nvme
+        return (nvme is not None and self.store.dtype == torch.float32 and bool(self.groups)
+                and all(g.state.tier is Tier.NVME for g in self.groups)
+                and all(mp.home is nvme for g in self.groups for mp in g.params))
 
     # ----------------------------------------------------------- gradients
 
@@ -184,16 +223,19 @@ class ShardedAdam(torch.optim.Optimizer):
                                "see [Note: stepping during backward] (use non-reentrant activation checkpointing, "
                                "or set gradient_clipping to keep the step after backward)")
         if g.grad is None:
-            g.grad = torch.zeros(g.numel, dtype=torch.float32, device=self.grad_device)
-            for p, off in zip(g.params, g.offsets):
-                p.grad = g.grad[off:off + p.part]
-            if self.overlapping and self.swapper is not None:
-                self.swapper.prefetch_group(g.index)
+            self._new_grad(g)
+            if self._pipe is not None:
+                self._pipe.ahead(g.state)  # its state is read while backward goes on
         return mp.grad
+
+    def _new_grad(self, g: _Group) -> None:
+        g.grad = torch.zeros(g.numel, dtype=torch.float32, device=g.state.device)
+        for p, off in zip(g.params, g.offsets):
+            p.grad = g.grad[off:off + p.part]
 
     def grad_ready(self, mp) -> None:
         """A parameter's gradient for this backward has been added (see [Note: stepping during backward])."""
-        if not self.overlapping:
+        if self._pipe is None:
             return
         g = self.group_of[id(mp)]
         g.waiting -= 1
@@ -203,27 +245,32 @@ class ShardedAdam(torch.optim.Optimizer):
     def _grads(self) -> list[torch.Tensor]:
         for g in self.groups:
             if g.grad is None:  # no parameter of the group had a gradient
-                g.grad = torch.zeros(g.numel, dtype=torch.float32, device=self.grad_device)
-                for p, off in zip(g.params, g.offsets):
-                    p.grad = g.grad[off:off + p.part]
+                self._new_grad(g)
         return [g.grad for g in self.groups]
+
+    def forget_gradients(self) -> None:
+        """Drop every gradient accumulated so far (they belong to a state that a checkpoint load replaced)."""
+        for g in self.groups:
+            g.grad = None
+            for mp in g.params:
+                mp.grad = None
 
     # ----------------------------------------------- step during backward
 
     def begin_overlapped_step(self) -> None:
         """Before the last micro-batch's backward: step each group as soon as its gradient is final."""
-        self.overlapping = True
         self.step_count += 1
         self._overlap_hyper = dict(step=self.step_count, grad_scale=1.0)
-        self._overlap_stats = StepStats()
         self._overlap_sq = 0.0
+        # reserve 1: a read started on a group's first gradient leaves the critical path a buffer.
+        self._pipe = StatePipeline(Mode.UPDATE, reserve=1, trace=self.trace)
         for g in self.groups:
             g.waiting = len(g.params)
             g.stepped = False
 
     def _step_now(self, g: _Group) -> None:
         self._overlap_sq += float(torch.linalg.vector_norm(g.grad)) ** 2
-        self._step_group(g, self.hyper_for(g, **self._overlap_hyper), self._overlap_stats)
+        self._pipe.run(g.state, self._adam_work(g, self.hyper_for(g, **self._overlap_hyper)))
         g.stepped = True
         g.grad = None
         for mp in g.params:
@@ -234,21 +281,33 @@ class ShardedAdam(torch.optim.Optimizer):
 
         Returns (overflowed=False, grad_norm, StepStats), like step().
         """
+        pipe = self._pipe
         try:
             for g in self.groups:
                 if not g.stepped:
                     self._grads()
                     self._step_now(g)
-            if self.swapper is not None:
-                self.swapper.finish_groups(self._overlap_stats)
+            pipe.finish()
+        except BaseException:
+            pipe.abandon()
+            raise
         finally:
-            self.overlapping = False
+            self._pipe = None
             for g in self.groups:
                 g.stepped = False
-        self._flush()
+        self.store.flush()
         self.store.refresh_persistent()
         sq = torch.tensor([self._overlap_sq], dtype=torch.float64)
-        return False, math.sqrt(self.comm.all_reduce_(sq).item()), self._overlap_stats
+        return False, math.sqrt(self.comm.all_reduce_(sq).item()), pipe.stats
+
+    def cancel_overlapped_step(self) -> None:
+        """Backward failed part-way: let what the step started finish, and hand every buffer back. Groups
+        already stepped keep their new state; the others keep the old."""
+        if self._pipe is not None:
+            self._pipe.abandon()
+            self._pipe = None
+            for g in self.groups:
+                g.stepped = False
 
     # ------------------------------------------------------ step after backward
 
@@ -270,34 +329,21 @@ class ShardedAdam(torch.optim.Optimizer):
         if max_norm > 0:
             coef = min(1.0, max_norm / (norm + 1e-6))
         self.step_count += 1
-        stats = self._step_all(grads, dict(step=self.step_count, grad_scale=loss_scale / coef))
-        self._flush()
+        step = dict(step=self.step_count, grad_scale=loss_scale / coef)
+        works = [self._adam_work(g, self.hyper_for(g, **step)) for g in self.groups]
+        stats = StatePipeline(Mode.UPDATE, trace=self.trace).over(self._states(), lambda i, views: works[i](views))
+        self.store.flush()
         self.store.refresh_persistent()
         return False, norm, stats
 
-    def _step_all(self, grads, step: dict) -> StepStats:
-        hypers = [self.hyper_for(g, **step) for g in self.groups]
-        if self.swapper is not None:
-            lowps = None if self.lowp is None else [self.lowp[:g.numel] for g in self.groups]
-            return self.swapper.step(grads, check_finite=False, out_lowp=lowps,
-                                     on_updated=lambda i, p: self._publish(self.groups[i], p, lowps and lowps[i]),
-                                     per_group=hypers, **hypers[0]) if self.groups else StepStats()
-        stats = StepStats()
-        for g, hyper in zip(self.groups, hypers):
-            self._step_group(g, hyper, stats)
-        return stats
-
-    def _step_group(self, g: _Group, hyper: dict, stats: StepStats) -> None:
+    def _adam_work(self, g: _Group, hyper: dict):
+        """What the pipeline does with a group's state in a step: Adam, then the new weights to the store."""
         lowp = None if self.lowp is None else self.lowp[:g.numel]
-        if self.swapper is not None:
-            self.swapper.step_group(g.index, g.grad, stats, out_lowp=lowp,
-                                    on_updated=lambda i, p: self._publish(g, p, lowp), **hyper)
-        elif g.master.device.type == "cpu":
-            cpu_adam_step(g.master, g.grad, g.exp_avg, g.exp_avg_sq, out_lowp=lowp, check_finite=False, **hyper)
-            self._publish(g, g.master, lowp)
-        else:
-            _device_adam(g, **hyper)
-            self._publish(g, g.master, None)
+
+        def work(views) -> None:
+            wrote_lowp = g.state.adam(views, g.grad, lowp, hyper)
+            self._publish(g, views.param, lowp if wrote_lowp else None)
+        return work
 
     def _publish(self, g: _Group, master: torch.Tensor, lowp: torch.Tensor | None = None):
         if self.store.alias is not None:  # the group's own write carries the shards; only their checksums here
@@ -318,64 +364,13 @@ class ShardedAdam(torch.optim.Optimizer):
 
         `use` returns a function that waits until it is done with the views
         (its writes have landed); if `use` raises, it must have waited for
-        whatever it started. RAM state is waited for at the end (it does not
-        move), so writes of consecutive groups overlap. On NVMe the next group is read while the
-        previous one's writes are in flight, so up to three pool buffers are
-        held (two being written, one being read). State on an accelerator
-        is copied one parameter at a time. Nothing here changes the state.
+        whatever it started. The walk is [Note: one pipeline]'s READ: the
+        next group is read while the previous ones' writes are in flight, so
+        up to three pool buffers are held. State on an accelerator is staged
+        one parameter at a time. Nothing here changes the state.
         """
-        if self.swapper is None:
-            waits = []
-            for g in self.groups:
-                if g.master.device.type == "cpu":
-                    waits.append(use(g, g.master, g.exp_avg, g.exp_avg_sq))
-                else:  # one parameter's shard at a time, so the staging copy is bounded by the largest shard
-                    for sub, lo, hi in _per_param(g):
-                        use(sub, g.master[lo:hi].cpu(), g.exp_avg[lo:hi].cpu(), g.exp_avg_sq[lo:hi].cpu())()
-            for w in waits:
-                w()
-            return
-        sw, ids = self.swapper.swapper, self.swapper.ids
-        inflight: list = []  # [id, wait] of groups whose buffers are held (swapped in, maybe being written)
-
-        def retire():
-            pid, w = inflight.pop(0)
-            try:
-                if w is not None:
-                    w()
-            finally:
-                sw.release(pid)
-
-        fut, fut_id = (sw.swap_in(ids[0]), ids[0]) if ids else (None, None)
-        try:
-            for i, g in enumerate(self.groups):
-                state = fut.wait()
-                entry = [ids[i], None]
-                inflight.append(entry)  # from here on, retire() hands the buffer back whatever happens
-                fut = fut_id = None
-                if i + 1 < len(ids):
-                    fut, fut_id = sw.swap_in(ids[i + 1], prefetch=True), ids[i + 1]
-                n = g.numel
-                entry[1] = use(g, state[:n], state[n:2 * n], state[2 * n:])
-                while len(inflight) > 1 or (inflight and fut is None and i + 1 < len(ids)):
-                    retire()
-                if fut is None and i + 1 < len(ids):
-                    fut = sw.swap_in(ids[i + 1])
-        except BaseException:
-            while inflight:
-                try:
-                    retire()
-                except BaseException:  # noqa: BLE001 - the first error is the one raised
-                    pass
-            if fut is not None:
-                try:
-                    fut.wait()
-                    sw.release(fut_id)
-                except BaseException:  # noqa: BLE001
-                    pass
-            raise
-        while inflight:
-            retire()
+        StatePipeline(Mode.READ).over(self._states(),
+                                      lambda i, views: self.groups[i].state.export(self.groups[i], views, use))
 
     def import_state(self, fill, *, refresh: bool = True) -> None:
         """Replace every group's state: fill(group, param, exp_avg, exp_avg_sq) writes CPU fp32 views of it.
@@ -387,51 +382,20 @@ class ShardedAdam(torch.optim.Optimizer):
         has loaded). An error part-way leaves a mix of old and new groups:
         load_checkpoint verifies the whole checkpoint before it calls this.
         """
-        if self.swapper is None:
-            for g in self.groups:
-                if g.master.device.type == "cpu":
-                    fill(g, g.master, g.exp_avg, g.exp_avg_sq)
-                else:  # staged one parameter's shard at a time
-                    for sub, lo, hi in _per_param(g):
-                        tmp = torch.empty(3, hi - lo, dtype=torch.float32)
-                        fill(sub, tmp[0], tmp[1], tmp[2])
-                        for dst, src in zip((g.master, g.exp_avg, g.exp_avg_sq), tmp):
-                            dst[lo:hi].copy_(src)
-                self._publish(g, g.master)
-        else:
-            sw, ids = self.swapper.swapper, self.swapper.ids
-            busy = [pid for pid in ids if sw.registry[pid].residency is not Residency.ON_DISK]
-            if busy:
-                raise RuntimeError(f"import_state: optimizer partitions {busy[:3]} are not at rest (an earlier swap "
-                                   "failed or is still running); nothing was changed")
-            writes = []
-            try:
-                for i, g in enumerate(self.groups):
-                    n = g.numel
-                    buf = sw.pool.acquire(f"load {ids[i]}")
-                    try:
-                        state = buf.view(torch.float32, 3 * n)
-                        fill(g, state[:n], state[n:2 * n], state[2 * n:])
-                        self._publish(g, state[:n])
-                        writes.append(sw.swap_out_buffer(ids[i], buf, torch.float32, 3 * n))
-                    except BaseException:
-                        if sw.registry[ids[i]].buffer is not buf:  # the swapper did not take it over
-                            sw.pool.release(buf)
-                        raise
-            except BaseException:
-                try:
-                    wait_all(writes)  # no buffer may be reused while a write still reads it
-                except BaseException:  # noqa: BLE001 - the first error is the one raised
-                    pass
-                raise
-            wait_all(writes)
-        self._flush()
+        busy = [g.index for g in self.groups if not g.state.at_rest()]
+        if busy:
+            raise RuntimeError(f"import_state: the optimizer state of sub-groups {busy[:3]} is not at rest (an "
+                               "earlier swap failed or is still running); nothing was changed")
+
+        def load(i: int, views) -> None:
+            g = self.groups[i]
+            g.state.import_(g, views, fill)
+            self._publish(g, views.param)
+
+        StatePipeline(Mode.FILL).over(self._states(), load)
+        self.store.flush()
         if refresh:
             self.store.refresh_persistent()
-
-    def _flush(self) -> None:
-        if self.store.tier == "nvme":
-            self.store.swap.swapper.flush()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         for g in self.groups:
@@ -456,27 +420,7 @@ class _OneParam:
         self.params, self.offsets, self.numel, self.index = [mp], [0], mp.part, index
 
 
-def _per_param(g: _Group):
-    for mp, off in zip(g.params, g.offsets):
-        yield _OneParam(mp, g.index), off, off + mp.part
-
-
 def _finite(grads) -> bool:
-    cpu = [g for g in grads if g.device.type == "cpu"]
-    dev = [g for g in grads if g.device.type != "cpu"]
-    return grads_finite(cpu) and all(bool(torch.isfinite(g).all()) for g in dev)
-
-
-def _device_adam(g: _Group, *, step, lr, betas, eps, weight_decay, adamw, bias_correction, grad_scale):
-    """Adam on an accelerator (offload_optimizer none on CUDA): the same math as cpu_adam_step, in torch ops."""
-    grad = g.grad / grad_scale
-    p, m, v = g.master, g.exp_avg, g.exp_avg_sq
-    if not adamw and weight_decay:
-        grad = grad.add(p, alpha=weight_decay)
-    if adamw and weight_decay:
-        p.mul_(1 - lr * weight_decay)
-    m.lerp_(grad, 1 - betas[0])
-    v.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
-    bc1 = 1 - betas[0] ** step if bias_correction else 1.0
-    bc2 = 1 - betas[1] ** step if bias_correction else 1.0
-    p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
+    host = [g for g in grads if g.device == HOST]
+    dev = [g for g in grads if g.device != HOST]
+    return grads_finite(host) and all(bool(torch.isfinite(g).all()) for g in dev)

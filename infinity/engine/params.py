@@ -4,8 +4,9 @@ Three layers, as in the swap service (see shared/STYLE.md):
 - `ManagedParam`: one parameter. Its module still owns the nn.Parameter;
   between uses `param.data` is a placeholder (see [Note: placeholder]) and
   the real values are this rank's 1/world shard, in RAM or in a swap file.
-- `ParamStore`: all of a model's managed parameters, the shard tier (none,
-  cpu or nvme) and, for nvme, the swap context that moves shards.
+- `ParamStore`: all of a model's managed parameters, and each one's shard
+  home (homes.py: the compute device's memory, host RAM or an NVMe swap
+  file), with the swap context that moves NVMe shards.
 - `PrefetchScheduler` (scheduler.py): decides which shards to read ahead.
 
 [Note: placeholder]
@@ -37,11 +38,13 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from infinity.engine.comm import Comm
+from infinity.engine.homes import NvmeHome, RamHome
+from infinity.swap.tier import HOST, Tier
 
 
 class ParamStatus(enum.Enum):
@@ -69,8 +72,18 @@ class ManagedParam:
     status: ParamStatus = ParamStatus.GATHERED
     users: int = 0
     """Module forwards (and gathered_parameters blocks) currently using the full value."""
+    home: object = None
+    """Its ShardHome (homes.py): where the shard lives between uses."""
     shard: torch.Tensor | None = None
-    """RAM tiers: this rank's shard in the store's dtype. nvme: None (it is in the swap file)."""
+    """RAM homes: this rank's shard. NVMe: None (it is in the swap file)."""
+    swap_dtype: torch.dtype | None = None
+    """NVMe home: the dtype of its swap file (fp32 until initialize, then the compute dtype)."""
+    unwritten: bool = False
+    """Adopted while the store deferred writes (from_pretrained), and nothing has written its shard since."""
+    reuse: torch.Tensor | None = None
+    """The prefetch scheduler's copy of the shard, kept for a use within the reuse distance."""
+    store: object = None
+    """The ParamStore that manages it."""
     grad: torch.Tensor | None = None
     """fp32 view of this rank's gradient shard, inside the optimizer's group buffer."""
     trainable: bool = True
@@ -78,7 +91,6 @@ class ManagedParam:
     weights), which keep only their shard on the parameter tier."""
     placeholder: torch.Tensor | None = None
     """While SHARDED: the tensor `param.data` was set to (see [Note: placeholder])."""
-    extra: dict = field(default_factory=dict)
 
     def gathered(self, full: torch.Tensor) -> None:
         assert self.status is ParamStatus.SHARDED, f"{self.name}: gathered while {self.status.name}"
@@ -126,10 +138,15 @@ def managed(t) -> ManagedParam | None:
 class ParamStore:
     """The shards of every managed parameter of one rank, and gather / release / write-back."""
 
-    def __init__(self, comm: Comm, *, tier: str, dtype: torch.dtype, device: torch.device, persistence: int,
-                 stage: int, swap=None, scheduler=None):
+    def __init__(self, comm: Comm, *, tier: Tier, dtype: torch.dtype, device: torch.device, persistence: int,
+                 stage: int, swap=None, scheduler=None, max_in_cpu: int = 0):
         self.comm = comm
         self.tier = tier
+        """Where shards go (offload_param.device); with NVMe, up to max_in_cpu elements stay in host RAM."""
+        self.ram = RamHome(Tier.DEVICE, device) if tier is Tier.DEVICE else RamHome(Tier.CPU, HOST)
+        self.nvme = NvmeHome(self) if tier is Tier.NVME else None
+        self.max_in_cpu = max_in_cpu if tier is Tier.NVME else 0
+        self.in_cpu = 0  # shard elements NVMe-tier parameters keep in host RAM (offload_param.max_in_cpu)
         self.dtype = dtype
         """The compute dtype: gathered parameters and (after initialize) the shards."""
         self.device = device
@@ -172,9 +189,9 @@ class ParamStore:
         numel = param.numel()
         part = max(1, math.ceil(numel / self.comm.world))
         mp = ManagedParam(param=param, name=name, index=len(self.params), shape=param.shape, numel=numel, part=part,
-                          persistent=self.stage < 3 or numel <= self.persistence)
+                          persistent=self.stage < 3 or numel <= self.persistence, store=self)
+        mp.home = self._home_for(mp)
         self._store_shard(mp, self.shard_of(mp, param))
-        mp.extra["store"] = self
         param._infinity = mp
         self.params.append(mp)
         if mp.persistent:
@@ -206,7 +223,7 @@ class ParamStore:
         """This rank's slice of a full value, zero-padded to `part` elements (see [Note: shard layout])."""
         flat = full.detach().reshape(-1)
         lo, hi = self.comm.rank * mp.part, min(mp.numel, (self.comm.rank + 1) * mp.part)
-        shard = torch.zeros(mp.part, dtype=mp.param.dtype, device="cpu")
+        shard = torch.zeros(mp.part, dtype=mp.param.dtype, device=HOST)
         if hi > lo:
             shard[:hi - lo].copy_(flat[lo:hi])
         return shard
@@ -283,7 +300,26 @@ class ParamStore:
             self.write_shard(mp, self.read_shard(mp, torch.float32, scheduled=False), wait=True)
 
     def _shard_dtype(self, mp: ManagedParam):
-        return mp.extra["swap_dtype"] if self.tier == "nvme" else mp.shard.dtype
+        return mp.home.dtype(mp)
+
+    def _home_for(self, mp: ManagedParam):
+        """NVMe, unless the host-RAM allowance (offload_param.max_in_cpu, in registration order) has room."""
+        if self.nvme is None:
+            return self.ram
+        if self.in_cpu + mp.part <= self.max_in_cpu:
+            self.in_cpu += mp.part
+            return self.ram
+        self.max_in_cpu = self.in_cpu  # a prefix: once one shard goes to NVMe, every later one does
+        return self.nvme
+
+    def homes(self) -> list:
+        """The shard homes in use."""
+        return [h for h in (self.ram, self.nvme) if h is not None]
+
+    def flush(self) -> None:
+        """Wait until every shard write started so far has landed."""
+        for home in self.homes():
+            home.flush()
 
     def sync_persistent(self) -> None:
         """Before initialize, a persistent parameter's full `param.data` is its value (user code may have
@@ -294,25 +330,14 @@ class ParamStore:
 
     def unwritten(self, mp: ManagedParam) -> bool:
         """Adopted while defer_writes was set, and nothing has written its shard since."""
-        return bool(mp.extra.get("unwritten"))
+        return mp.unwritten
 
     def _store_shard(self, mp: ManagedParam, shard: torch.Tensor) -> None:
         if self.defer_writes:  # its values are about to be loaded (see [Note: streamed from_pretrained])
-            mp.extra["unwritten"] = True
-            mp.extra["swap_dtype"] = shard.dtype
-            mp.shard = None if self.tier == "nvme" else torch.zeros_like(shard)
-            return
-        if self.tier == "nvme":
-            self.swap.swapper.swap_out(self._swap_id(mp, shard.dtype), shard).wait()
-            mp.shard = None
-            mp.extra["swap_dtype"] = shard.dtype
+            mp.unwritten = True
+            mp.home.defer(mp, shard)
         else:
-            mp.shard = shard if self.tier == "cpu" or self.device.type == "cpu" else shard.to(self.device)
-
-    def _swap_id(self, mp: ManagedParam, dtype) -> str:
-        if self.alias is not None and mp.trainable:
-            return f"alias/{mp.index}"
-        return f"param/{mp.index}/{str(dtype).replace('torch.', '')}"
+            mp.home.keep(mp, shard)
 
     def reader(self):
         """What shard reads go through: the parameter swapper, or in fp32-alias mode a router that sends
@@ -324,7 +349,7 @@ class ParamStore:
         in the optimizer file]); their own swap files are deleted. Frozen ones keep theirs."""
         for mp in self.params:
             if mp.trainable:
-                self.swap.swapper.remove(self._swap_id(mp, mp.extra["swap_dtype"]))
+                mp.home.forget(mp)
         self.alias = reader
 
     def retain(self, keep: set) -> None:
@@ -332,8 +357,7 @@ class ParamStore:
         for mp in [mp for mp in self.params if id(mp.param) not in keep]:
             if mp.placeholder is not None:
                 self._placeholders.pop(mp.placeholder.untyped_storage().data_ptr(), None)
-            if self.tier == "nvme" and not self.unwritten(mp):
-                self.swap.swapper.remove(self._swap_id(mp, mp.extra["swap_dtype"]))
+            mp.home.forget(mp)
             if mp.persistent:
                 self.live_elements -= mp.numel
             del mp.param._infinity
@@ -349,20 +373,9 @@ class ParamStore:
         """
         if self._staged:
             self._write_back_staged(mp)
-        if self.unwritten(mp):  # uninitialised memory in a plain build; zeros here
-            return torch.zeros(mp.part, dtype=dtype or mp.extra["swap_dtype"])
-        if self.tier != "nvme":
-            return mp.shard if dtype is None else mp.shard.to(dtype)
-        sid = self._swap_id(mp, mp.extra["swap_dtype"])
-        if self.scheduler is not None and scheduled:
-            return self.scheduler.fetch(mp, sid, dtype or mp.extra["swap_dtype"])
-        reader = self.reader()
-        view = reader.swap_in(sid).wait()
-        try:
-            out = view.to(dtype or view.dtype, copy=True)
-        finally:
-            reader.release(sid)
-        return out
+        if mp.unwritten:  # uninitialised memory in a plain build; zeros here
+            return torch.zeros(mp.part, dtype=dtype or mp.home.dtype(mp))
+        return mp.home.read(mp, dtype, scheduled=scheduled)
 
     def write_shard(self, mp: ManagedParam, values: torch.Tensor, *, wait: bool = False, keep_dtype: bool = False):
         """Replace this rank's shard with `values` (part elements), stored in the compute dtype.
@@ -370,25 +383,11 @@ class ParamStore:
         keep_dtype keeps the shard's current dtype (fp32 until initialize()
         has made the master weights from it).
         """
-        if self.alias is not None and mp.trainable:
-            raise RuntimeError(f"{mp.name}: its fp32 shard lives in the optimizer's file (alias mode); "
-                               "only the optimizer writes it")
-        mp.extra.pop("unwritten", None)
+        fut = mp.home.write(mp, values, mp.home.dtype(mp) if keep_dtype else self.dtype)
+        mp.unwritten = False
         if self._staged:  # a newer shard: a staged full value of mp is stale now
             self.drop_staged([mp])
-        if self.tier != "nvme":
-            dtype = mp.shard.dtype if keep_dtype else self.dtype
-            if mp.shard.dtype != dtype:
-                mp.shard = torch.empty(mp.part, dtype=dtype, device=mp.shard.device)
-            mp.shard.copy_(values)
-            return None
-        old = mp.extra["swap_dtype"]
-        dtype = old if keep_dtype else self.dtype
-        if old != dtype:
-            self.swap.swapper.remove(self._swap_id(mp, old))
-            mp.extra["swap_dtype"] = dtype
-        fut = self.swap.swapper.swap_out(self._swap_id(mp, dtype), values.to(dtype))
-        return fut.wait() if wait else fut
+        return fut.wait() if wait and fut is not None else fut
 
     # -------------------------------------------------------- gather/release
 
@@ -420,7 +419,7 @@ class ParamStore:
     def _check_placeholder(self, mp: ManagedParam) -> None:
         """An in-place write that torch lets through on a placeholder (fill_, copy_ of a scalar) changes its
         one element; after initialize nothing could keep it, so it is an error rather than a lost value."""
-        if self.frozen and mp.placeholder is not None and mp.placeholder.device.type == "cpu":
+        if self.frozen and mp.placeholder is not None and mp.placeholder.device == HOST:
             # (On an accelerator the check would sync the stream on every gather, so it is skipped there.)
             value = mp.placeholder.as_strided((), ()).item()
             if value == value:  # not NaN

@@ -32,6 +32,7 @@ import re
 import torch
 
 from infinity.engine.params import ParamStatus, managed
+from infinity.swap.tier import HOST
 
 log = logging.getLogger("infinity")
 
@@ -120,7 +121,7 @@ def load_pretrained(store, cls, name_or_path, model_args, kwargs):
     store.settle_staged()
     for mp in store.params:  # a gathered (persistent) one's full value is its value, as in a plain build
         if mp.status is ParamStatus.GATHERED:
-            mp.extra.pop("unwritten", None)
+            mp.unwritten = False
     _write_unwritten(store, model)
     model.eval()
     _generation_config(model, path)
@@ -191,7 +192,7 @@ def _tensors(file: str):
                 start = base + entry["data_offsets"][0]
                 yield key, shape, (lambda lo, hi, f=f, s=shape, d=dtype, o=start: _pread_rows(f, o, s, d, lo, hi))
         return
-    state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    state = torch.load(file, map_location=HOST, mmap=True, weights_only=True)
     for key, t in state.items():
         yield key, tuple(t.shape), (lambda lo, hi, t=t: t[lo:hi] if t.dim() else t)
 
@@ -231,7 +232,7 @@ def _land(store, target: torch.Tensor, shape, read) -> None:
             dst = target if mp is None else mp.param.data
             dst.copy_(read(0, shape[0] if shape else 0).reshape(dst.shape))
             if mp is not None:
-                mp.extra.pop("unwritten", None)  # its full value is what initialize will shard
+                mp.unwritten = False  # its full value is what initialize will shard
             return
         numel = mp.numel
         lo, hi = store.comm.rank * mp.part, min(numel, (store.comm.rank + 1) * mp.part)

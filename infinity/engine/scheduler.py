@@ -78,7 +78,7 @@ class PrefetchScheduler:
         st = self.stats
         st.fetches += 1
         j = self._advance(mp)
-        cached = mp.extra.pop("reuse", None)
+        cached, mp.reuse = mp.reuse, None
         if cached is not None:
             self.cached -= mp.part
             st.hits += 1
@@ -107,7 +107,7 @@ class PrefetchScheduler:
             st.bytes_read += view.numel() * view.element_size()
             self._prefetch()
         if j is not None and self.keep[j] and self._held() + mp.part <= self.bucket:
-            mp.extra["reuse"] = out
+            mp.reuse = out
             self.cached += mp.part
         return out
 
@@ -134,7 +134,7 @@ class PrefetchScheduler:
 
     def _drop_cache(self) -> None:
         for mp in self.trace:
-            mp.extra.pop("reuse", None)
+            mp.reuse = None
         self.cached = 0
 
     def _plan_reuse(self) -> None:
@@ -158,7 +158,7 @@ class PrefetchScheduler:
         j = self.ahead
         while j < len(self.trace):
             mp = self.trace[j]
-            sid = self.store._swap_id(mp, mp.extra["swap_dtype"])
+            sid = mp.home.swap_id(mp)
             if self.reused[j]:
                 pass  # served from RAM
             elif sid in self.inflight or sid == self._busy:

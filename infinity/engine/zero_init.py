@@ -162,7 +162,7 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None, *, s
     if not mps:
         yield
         return
-    st = store or mps[0].extra.get("store") or current_store()
+    st = store or mps[0].store or current_store()
     if st is None:
         raise RuntimeError("infinity.gathered_parameters: these parameters belong to no live store")
     if modifier_rank is not None and st.frozen:

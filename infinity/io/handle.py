@@ -154,6 +154,18 @@ class AsyncIO:
 
     # ------------------------------------------------------------ requests
 
+
+    @classmethod
+    def from_config(cls, cfg, directory: str | os.PathLike | None = None) -> "AsyncIO":
+        """A handle with a loaded config's `aio` section and `infinity.direct_io`; with `directory`, O_DIRECT
+        only where that directory's filesystem supports it."""
+        aio = cfg.aio
+        direct = cfg.infinity.direct_io
+        if directory is not None:
+            direct = direct and native is not None and native.direct_alignment(os.fspath(directory)) != 0
+        return cls(backend=aio.backend, block_size=aio.block_size, queue_depth=aio.queue_depth,
+                   threads=aio.intra_op_parallelism, direct=direct, single_submit=aio.single_submit,
+                   overlap_events=aio.overlap_events)
     def pwrite(self, buf, path, offset: int = 0, nbytes: int | None = None) -> IOFuture:
         """Start writing `buf` (or its first `nbytes` bytes) to `path` at `offset`."""
         return self._submit(True, buf, path, offset, nbytes)

@@ -16,16 +16,14 @@ from infinity.errors import ConfigError
 from infinity.io import AsyncIO
 from infinity.swap.pool import BufferPool
 from infinity.swap.swapper import TensorSwapper
+from infinity.swap.tier import Tier
 
 
 class SwapContext:
     """Pool + AsyncIO + TensorSwapper: `count` buffers of `size` bytes, files under `directory`."""
 
     def __init__(self, *, directory, count: int, size: int, cfg: Config, pin: bool, rank: int = 0, kind: str = ""):
-        aio = cfg.aio
-        self.io = AsyncIO(backend=aio.backend, block_size=aio.block_size, queue_depth=aio.queue_depth,
-                          threads=aio.intra_op_parallelism, direct=cfg.infinity.direct_io,
-                          single_submit=aio.single_submit, overlap_events=aio.overlap_events)
+        self.io = AsyncIO.from_config(cfg)
         try:
             # pin_memory page-locks the pool for device copies, which only means something when CUDA is there.
             self.pool = BufferPool(count, size, pin=pin and torch.cuda.is_available())
@@ -39,7 +37,7 @@ class SwapContext:
     def for_optimizer(cls, cfg: Config, *, rank: int = 0, largest_group_numel: int | None = None) -> "SwapContext":
         """One buffer holds a whole sub-group's [param | exp_avg | exp_avg_sq] in fp32 (12 B per parameter)."""
         off = cfg.zero_optimization.offload_optimizer
-        if off.device != "nvme":
+        if Tier(off.device) is not Tier.NVME:
             raise ValueError('SwapContext: zero_optimization.offload_optimizer.device is not "nvme"; nothing to swap')
         group = cfg.zero_optimization.sub_group_size if largest_group_numel is None else largest_group_numel
         if group < 1:
@@ -58,7 +56,7 @@ class SwapContext:
     def for_params(cls, cfg: Config, *, rank: int = 0, largest_shard_numel: int | None = None) -> "SwapContext":
         """Parameter shards: buffer_size elements of fp32 (shards start as fp32; see ParamStore)."""
         off = cfg.zero_optimization.offload_param
-        if off.device != "nvme":
+        if Tier(off.device) is not Tier.NVME:
             raise ValueError('SwapContext: zero_optimization.offload_param.device is not "nvme"; nothing to swap')
         numel = off.buffer_size if largest_shard_numel is None else largest_shard_numel
         return cls(directory=off.nvme_path, count=off.buffer_count, size=4 * numel, cfg=cfg, pin=off.pin_memory,

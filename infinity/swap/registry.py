@@ -1,4 +1,4 @@
-"""Registry: every parameter and optimizer partition, its home tier, and where it is right now.
+"""Registry: every partition that has a swap file, and where its bytes are right now.
 
 [Note: residency transitions]
 A partition whose home is NVMe moves ON_DISK -> READING -> IN_CPU -> WRITING
@@ -13,17 +13,9 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-
-
-class Tier(enum.Enum):
-    """Where a partition lives when it is not in use."""
-
-    DEVICE = "device"
-    CPU = "cpu"
-    NVME = "nvme"
 
 
 class Residency(enum.Enum):
@@ -37,60 +29,61 @@ class Residency(enum.Enum):
     """In a pool buffer, current; costs one pool buffer."""
     WRITING = "writing"
     """A write from its pool buffer is in flight; costs one pool buffer until it finishes."""
-    RESIDENT = "resident"
-    """Home is CPU or device: always in memory outside the pool."""
 
 
 @dataclass(eq=False)
 class Partition:
-    """One flat partition of a parameter or of optimizer state."""
+    """One flat partition of a parameter or of optimizer state, backed by one swap file."""
 
     id: str
     dtype: torch.dtype
     numel: int
-    owner_rank: int
-    home: Tier
     residency: Residency = Residency.ON_DISK
     buffer: object = None  # the PoolBuffer while READING/IN_CPU/WRITING
-    swapped_bytes: int = field(default=0)
     dirty: bool = False  # IN_CPU bytes newer than the file (a write failed)
 
     @property
     def nbytes(self) -> int:
         return self.numel * torch.empty(0, dtype=self.dtype).element_size()
 
-    def _move(self, expected: tuple, new: Residency) -> None:
+    def _check(self, expected: tuple, new: Residency) -> None:
         if self.residency not in expected:
             want = " or ".join(r.name for r in expected)
             raise RuntimeError(f"partition {self.id}: cannot go to {new.name} from {self.residency.name} "
                                f"(expected {want}); see [Note: residency transitions]")
+
+    def _move(self, expected: tuple, new: Residency) -> None:
+        self._check(expected, new)
         self.residency = new
 
     def begin_read(self, buffer) -> None:
-        self._move((Residency.ON_DISK,), Residency.READING)
+        self._check((Residency.ON_DISK,), Residency.READING)
         self.buffer = buffer
+        self.residency = Residency.READING
 
     def finish_read(self) -> None:
         self._move((Residency.READING,), Residency.IN_CPU)
 
     def fail_read(self):
         """The read failed: back to ON_DISK (the file is unchanged); returns the buffer to release."""
-        self._move((Residency.READING,), Residency.ON_DISK)
+        self._check((Residency.READING,), Residency.ON_DISK)
         buf, self.buffer = self.buffer, None
+        self.residency = Residency.ON_DISK
         return buf
 
     def begin_write(self, buffer=None) -> None:
         """Start writing from `buffer` (or the one already held, when IN_CPU)."""
-        self._move((Residency.IN_CPU, Residency.ON_DISK), Residency.WRITING)
+        self._check((Residency.IN_CPU, Residency.ON_DISK), Residency.WRITING)
         if buffer is not None:
             self.buffer = buffer
+        self.residency = Residency.WRITING
 
     def finish_write(self):
         """The write is durable enough to drop the bytes: ON_DISK; returns the buffer to release."""
-        self._move((Residency.WRITING,), Residency.ON_DISK)
-        self.swapped_bytes = self.nbytes
+        self._check((Residency.WRITING,), Residency.ON_DISK)
         self.dirty = False
         buf, self.buffer = self.buffer, None
+        self.residency = Residency.ON_DISK
         return buf
 
     def fail_write(self) -> None:
@@ -106,9 +99,10 @@ class Partition:
         if self.dirty and not discard:
             raise RuntimeError(f"partition {self.id}: its in-memory bytes were never written (the last write "
                                "failed); swap_out again, or release with discard=True to lose them")
-        self._move((Residency.IN_CPU,), Residency.ON_DISK)
+        self._check((Residency.IN_CPU,), Residency.ON_DISK)
         self.dirty = False
         buf, self.buffer = self.buffer, None
+        self.residency = Residency.ON_DISK
         return buf
 
 
@@ -119,12 +113,10 @@ class Registry:
         self._parts: dict[str, Partition] = {}
         self._lock = threading.Lock()
 
-    def register(self, id: str, *, dtype: torch.dtype, numel: int, owner_rank: int = 0,
-                 home: Tier = Tier.NVME) -> Partition:
+    def register(self, id: str, *, dtype: torch.dtype, numel: int) -> Partition:
         if not isinstance(numel, int) or numel < 0:
             raise ValueError(f"Registry.register: numel must be an int >= 0, got {numel!r} (partition {id})")
-        part = Partition(id=id, dtype=dtype, numel=numel, owner_rank=owner_rank, home=home,
-                         residency=Residency.ON_DISK if home is Tier.NVME else Residency.RESIDENT)
+        part = Partition(id=id, dtype=dtype, numel=numel)
         with self._lock:
             if id in self._parts:
                 raise ValueError(f"Registry.register: partition {id!r} is already registered")
@@ -138,7 +130,7 @@ class Registry:
             raise KeyError(f"no partition {id!r} is registered") from None
 
     def unregister(self, id: str) -> Partition:
-        """Forget a partition that holds no buffer (ON_DISK or RESIDENT)."""
+        """Forget a partition that holds no buffer (ON_DISK)."""
         with self._lock:
             part = self[id]
             if part.buffer is not None:

@@ -37,6 +37,7 @@ import shutil
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +46,8 @@ from infinity.errors import SwapCorruptionError
 from infinity.io import AsyncIO, aligned_empty
 from infinity.swap.checksum import crc32c
 from infinity.swap.pool import BufferPool
-from infinity.swap.registry import Partition, Registry, Residency, Tier
+from infinity.swap.registry import Partition, Registry, Residency
+from infinity.swap.tier import HOST
 
 HEADER = 4096
 _CLAIMED: set = set()  # rank directories claimed by swappers of this process
@@ -77,6 +79,19 @@ class SwapFuture:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+@dataclass(slots=True)
+class _Reap:
+    """One item of a reaper's queue: a swap whose native requests the reaper waits for, then finishes."""
+
+    kind: str
+    """"in" (a read), "out" (a data write; the reaper adds the header write), or "barrier" (flush)."""
+    part: Partition | None
+    futures: list
+    """The native I/O futures of the swap."""
+    done: SwapFuture
+    """What the caller holds; set once the swap has finished or failed."""
 
 
 def wait_all(futures) -> None:
@@ -176,8 +191,7 @@ class TensorSwapper:
                 head = json.loads(f.read(HEADER).decode("utf-8"))
             if head.get("magic") != "infinity-swap" or head.get("dtype") not in BY_NAME:
                 return False
-            self.registry.register(head["id"], dtype=BY_NAME[head["dtype"]], numel=int(head["numel"]),
-                                   owner_rank=self.rank, home=Tier.NVME)
+            self.registry.register(head["id"], dtype=BY_NAME[head["dtype"]], numel=int(head["numel"]))
             self._crc[head["id"]] = head.get("crc32c")
             return True
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -197,7 +211,7 @@ class TensorSwapper:
         in place after swap_in), no copy is made.
         """
         self._check_open()
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if tensor.device != HOST or not tensor.is_contiguous():
             raise ValueError(f"swap_out({part_id!r}): needs a contiguous CPU tensor")
         part = self._partition_for(part_id, tensor.dtype, tensor.numel())
         with self._lock:
@@ -248,14 +262,14 @@ class TensorSwapper:
                 part.fail_write()
             raise
         out = SwapFuture(f"write {part.id}")
-        self._writes.put(("out", part, futs, None, out))
+        self._writes.put(_Reap("out", part, futs, out))
         return out
 
     def _partition_for(self, part_id: str, dtype: torch.dtype, numel: int) -> Partition:
         try:
             part = self.registry[part_id]
         except KeyError:
-            return self.registry.register(part_id, dtype=dtype, numel=numel, owner_rank=self.rank)
+            return self.registry.register(part_id, dtype=dtype, numel=numel)
         if part.dtype != dtype or part.numel != numel:
             raise ValueError(f"swap_out({part_id!r}): registered as {part.numel} x {part.dtype}, got "
                              f"{numel} x {dtype}")
@@ -302,7 +316,7 @@ class TensorSwapper:
                 self.pool.release(part.fail_read())
             raise
         out = SwapFuture(f"read {part_id}")
-        self._reads.put(("in", part, [fut], None, out))
+        self._reads.put(_Reap("in", part, [fut], out))
         return out
 
     def release(self, part_id: str, *, discard: bool = False) -> None:
@@ -333,13 +347,12 @@ class TensorSwapper:
             item = q.get()
             if item is None:
                 return
-            kind, part, futs, crc, out = item
-            if kind == "barrier":
-                out._set()
+            if item.kind == "barrier":
+                item.done._set()
                 continue
-            error = None
-            if kind == "out":
-                futs, crc, error = self._write_header(part, futs)
+            futs, crc, error = item.futures, None, None
+            if item.kind == "out":
+                futs, crc, error = self._write_header(item.part, futs)
             for fut in futs:
                 try:
                     fut.wait()
@@ -349,13 +362,13 @@ class TensorSwapper:
                 if head is not None:
                     self._headers.append(head)
             try:
-                if kind == "out":
-                    self._finish_out(part, crc, error, out)
+                if item.kind == "out":
+                    self._finish_out(item.part, crc, error, item.done)
                 else:
-                    self._finish_in(part, error, out)
+                    self._finish_in(item.part, error, item.done)
             except BaseException as exc:  # noqa: BLE001
-                if not out.done():
-                    out._set(None, exc)
+                if not item.done.done():
+                    item.done._set(None, exc)
 
     def _write_header(self, part: Partition, futs: list):
         """While the data write is in flight: checksum the buffer, then write the header (see the note)."""
@@ -412,7 +425,7 @@ class TensorSwapper:
         markers = []
         for q in (self._reads, self._writes):
             markers.append(SwapFuture())
-            q.put(("barrier", None, [], None, markers[-1]))  # each reaper works in order
+            q.put(_Reap("barrier", None, [], markers[-1]))  # each reaper works in order
         for m in markers:
             m._done.wait()
 

@@ -176,7 +176,7 @@ def _train(args, out: Path, nvme: str) -> int:
     if rank == 0:
         with open(out / "run.json", "w") as f:
             json.dump({"model": args.model, "numel": numel, "world": world, "micro_batch": micro, "seq": seq,
-                       "steps": args.steps, "param_tier": engine.store.tier, "optimizer_tier": engine.optimizer.tier,
+                       "steps": args.steps, "param_tier": str(engine.store.tier), "optimizer_tier": str(engine.optimizer.tier),
                        "baseline_rss_bytes": baseline, "swap_bytes_after_setup": _dir_bytes(nvme)}, f, indent=2)
     start = 0
     if args.resume and os.path.exists(os.path.join(args.save_dir, "latest")):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from infinity.cli import main
+from infinity.tools.cli import main
 from infinity.testing.ckpt import spawn_train, train
 from infinity.testing.parity import engine_config
 
@@ -235,7 +235,7 @@ def test_load_module_only_starts_adam_afresh_from_the_weights(disk_dir):
         e.backward(e(x, y))
         e.step()
         g = e.optimizer.groups
-        return [t.clone() for grp in g for t in (grp.master, grp.exp_avg, grp.exp_avg_sq)]
+        return [getattr(grp.state.views, k).clone() for grp in g for k in ("param", "exp_avg", "exp_avg_sq")]
 
     torch.manual_seed(1)
     a = initialize(GPT(MODEL), cfg)

@@ -34,7 +34,7 @@ def _step(e, s=0):
 
 def _snapshot(e) -> dict:
     g = e.optimizer.groups
-    return {"state": [t.clone() for grp in g for t in (grp.master, grp.exp_avg, grp.exp_avg_sq)],
+    return {"state": [getattr(grp.state.views, k).clone() for grp in g for k in ("param", "exp_avg", "exp_avg_sq")],
             "steps": (e.global_steps, e.micro_steps, e.optimizer.step_count, e.optimizer.param_groups[0]["lr"])}
 
 
@@ -224,7 +224,7 @@ def test_export_errors_leave_no_output(saved, tmp_path):
     data = bytearray(chunk.read_bytes())
     data[0] ^= 1
     chunk.write_bytes(bytes(data))
-    r = subprocess.run([sys.executable, "-m", "infinity.cli", "checkpoint", "export", str(ck),
+    r = subprocess.run([sys.executable, "-m", "infinity", "checkpoint", "export", str(ck),
                         str(tmp_path / "out.safetensors")], capture_output=True, text=True)
     assert r.returncode == 2 and "is corrupted" in r.stderr and "Traceback" not in r.stderr
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]

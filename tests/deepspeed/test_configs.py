@@ -76,9 +76,12 @@ def test_hugging_faces_zero2_config_means_what_it_means_there():
 
 def test_the_zero_infinity_tutorial_config_loads_with_its_nvme_path(tmp_path):
     raw = json.loads(json.dumps(ZERO_INFINITY).replace("/local_nvme", str(tmp_path / "created")))
-    with pytest.warns(UserWarning, match="max_in_cpu"):
+    with pytest.warns(UserWarning, match="contiguous_gradients") as record:
         cfg = load_config(raw)
+    assert "max_in_cpu" not in str(record[0].message), "offload_param.max_in_cpu has its effect"
     assert cfg.zero_optimization.offload_param.device == "nvme" and (tmp_path / "created").is_dir()
+    assert cfg.zero_optimization.offload_param.max_in_cpu == ZERO_INFINITY["zero_optimization"]["offload_param"][
+        "max_in_cpu"]
     assert cfg.aio.block_size == 262144 and cfg.aio.intra_op_parallelism == 1
 
 

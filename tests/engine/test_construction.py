@@ -450,7 +450,7 @@ def test_a_whole_model_conversion_before_initialize_stays_bounded(disk_dir):
     torch.manual_seed(0)
     with zero_init(cfg):
         model = NanoGPT()
-    store = next(iter(model.parameters()))._infinity.extra["store"]
+    store = next(iter(model.parameters()))._infinity.store
     seen = []
     orig = store.adopt_reassigned
 

@@ -1,0 +1,138 @@
+"""Shard homes: where a managed parameter's shard lives between uses, one class per tier.
+
+ParamStore asks a parameter's home (`ManagedParam.home`) to keep, read,
+write and forget its shard, and never asks which tier that is. A store has
+one home per tier it uses: with `offload_param.device` nvme, the first
+`offload_param.max_in_cpu` shard elements stay in host RAM (as in DeepSpeed)
+and the rest go to NVMe, so one store can hold both.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from infinity.swap.tier import Tier
+
+
+class ShardHome(abc.ABC):
+    """Keeps managed parameters' shards on one tier."""
+
+    tier: Tier
+
+    @abc.abstractmethod
+    def keep(self, mp, shard: torch.Tensor) -> None:
+        """The first value of mp's shard (`part` elements, in the dtype it was built in)."""
+
+    @abc.abstractmethod
+    def defer(self, mp, shard: torch.Tensor) -> None:
+        """Like keep, but the values are about to be loaded: write nothing (see [Note: streamed from_pretrained])."""
+
+    @abc.abstractmethod
+    def dtype(self, mp) -> torch.dtype:
+        """The dtype the shard is kept in now."""
+
+    @abc.abstractmethod
+    def read(self, mp, dtype: torch.dtype | None, *, scheduled: bool) -> torch.Tensor:
+        """The shard as a tensor the caller may keep (RAM: the stored tensor itself when dtype matches)."""
+
+    @abc.abstractmethod
+    def write(self, mp, values: torch.Tensor, dtype: torch.dtype):
+        """Replace the shard with `values`, kept in `dtype`; returns a future to wait for, or None."""
+
+    def forget(self, mp) -> None:
+        """The store forgets mp: free what its shard holds."""
+
+    def flush(self) -> None:
+        """Wait until every write started so far has landed."""
+
+
+class RamHome(ShardHome):
+    """offload_param none (the compute device's memory) or cpu (host RAM): the shard is a tensor, no I/O."""
+
+    def __init__(self, tier: Tier, device: torch.device):
+        self.tier = tier
+        self.device = device
+
+    def keep(self, mp, shard: torch.Tensor) -> None:
+        mp.shard = shard.to(self.device)
+
+    def defer(self, mp, shard: torch.Tensor) -> None:
+        mp.shard = torch.zeros_like(shard, device=self.device)
+
+    def dtype(self, mp) -> torch.dtype:
+        return mp.shard.dtype
+
+    def read(self, mp, dtype, *, scheduled: bool) -> torch.Tensor:
+        return mp.shard if dtype is None else mp.shard.to(dtype)
+
+    def write(self, mp, values: torch.Tensor, dtype: torch.dtype):
+        if mp.shard.dtype != dtype:
+            mp.shard = torch.empty(mp.part, dtype=dtype, device=mp.shard.device)
+        mp.shard.copy_(values)
+        return None
+
+
+class NvmeHome(ShardHome):
+    """offload_param nvme: each shard is a swap file, read through the prefetch scheduler in forward/backward.
+
+    In fp32-alias mode a trainable parameter's shard is read from its slice
+    of the optimizer's group file instead (see [Note: fp32 shards live in the
+    optimizer file] in alias.py), and only the optimizer writes it.
+    """
+
+    tier = Tier.NVME
+
+    def __init__(self, store):
+        self.store = store
+
+    @property
+    def swapper(self):
+        return self.store.swap.swapper
+
+    def swap_id(self, mp, dtype: torch.dtype | None = None) -> str:
+        """The partition that holds mp's shard (of `dtype`, default the current one)."""
+        if self.store.alias is not None and mp.trainable:
+            return f"alias/{mp.index}"
+        return f"param/{mp.index}/{str(dtype or mp.swap_dtype).replace('torch.', '')}"
+
+    def keep(self, mp, shard: torch.Tensor) -> None:
+        self.swapper.swap_out(self.swap_id(mp, shard.dtype), shard).wait()
+        mp.shard = None
+        mp.swap_dtype = shard.dtype
+
+    def defer(self, mp, shard: torch.Tensor) -> None:
+        mp.shard = None
+        mp.swap_dtype = shard.dtype
+
+    def dtype(self, mp) -> torch.dtype:
+        return mp.swap_dtype
+
+    def read(self, mp, dtype, *, scheduled: bool) -> torch.Tensor:
+        sid = self.swap_id(mp)
+        store = self.store
+        if store.scheduler is not None and scheduled:
+            return store.scheduler.fetch(mp, sid, dtype or mp.swap_dtype)
+        reader = store.reader()
+        view = reader.swap_in(sid).wait()
+        try:
+            return view.to(dtype or view.dtype, copy=True)
+        finally:
+            reader.release(sid)
+
+    def write(self, mp, values: torch.Tensor, dtype: torch.dtype):
+        if self.store.alias is not None and mp.trainable:
+            raise RuntimeError(f"{mp.name}: its fp32 shard lives in the optimizer's file (alias mode); "
+                               "only the optimizer writes it")
+        if mp.swap_dtype != dtype:
+            self.swapper.remove(self.swap_id(mp))
+            mp.swap_dtype = dtype
+        return self.swapper.swap_out(self.swap_id(mp), values.to(dtype))
+
+    def forget(self, mp) -> None:
+        if not mp.unwritten:
+            self.swapper.remove(self.swap_id(mp))
+
+    def flush(self) -> None:
+        self.swapper.flush()

@@ -1,0 +1,273 @@
+"""GroupState: one optimizer sub-group's fp32 master weights and Adam moments, on one tier.
+
+This is the "group moved together" layer of the swap service. The
+optimizer holds one GroupState per sub-group and never asks where it lives:
+each class below answers the same verbs for its tier.
+
+- `prefetch()`  start bringing the state in, if that takes nothing the critical path needs
+  (`fetch()`: start it now, waiting for a buffer);
+- `open()`      wait for it and give `AdamViews` of it (or, `blank=True`, room to fill);
+- `adam()`      step it in place (CPU Adam, or torch ops on an accelerator);
+- `close()`     done with the views: write them back, or drop them;
+- `export()` / `import_()`  hand host fp32 views to a checkpoint writer / reader;
+- `abandon()`   after a failure: let in-flight I/O finish and give every buffer back.
+
+`StatePipeline` (pipeline.py) drives these verbs for the step, the
+checkpoint export and the import alike (see [Note: one pipeline]).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+
+import torch
+
+from infinity.optim import cpu_adam_step
+from infinity.swap.registry import Residency
+from infinity.swap.swapper import TensorSwapper
+from infinity.swap.tier import HOST, Tier
+
+
+@dataclass(slots=True)
+class AdamViews:
+    """Views of one sub-group's state, each `numel` fp32 values on the state's device."""
+
+    param: torch.Tensor
+    """The fp32 master weights."""
+    exp_avg: torch.Tensor
+    """Adam's first moment."""
+    exp_avg_sq: torch.Tensor
+    """Adam's second moment."""
+
+
+class GroupState(abc.ABC):
+    """A sub-group's Adam state on one tier; see the module docstring for the verbs."""
+
+    tier: Tier
+
+    def __init__(self, numel: int):
+        self.numel = numel
+
+    @property
+    def io_bytes(self) -> int:
+        """Bytes one read (or one write) of the whole state moves to or from storage."""
+        return 0
+
+    def prefetch(self, *, reserve: int = 0) -> None:
+        """Start bringing the state in without waiting for a buffer (RAM tiers: nothing to do)."""
+
+    def fetch(self) -> None:
+        """Start bringing the state in now, waiting for a buffer if none is free."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where open()'s views are (and so where the group's gradient buffer goes)."""
+        return HOST
+
+    def at_rest(self) -> bool:
+        """No read, use or write of the state is in flight."""
+        return True
+
+    def ready(self) -> bool:
+        """Its read has started (or it needs none): open() will not need a pool buffer it does not hold."""
+        return True
+
+    @abc.abstractmethod
+    def open(self, *, blank: bool = False) -> AdamViews:
+        """The state, in memory; `blank`: its current values are about to be overwritten, so none are read."""
+
+    def close(self, *, write: bool):
+        """Done with the views: with `write` they are the new state. Returns a future to wait for, or None."""
+        return None
+
+    def abandon(self) -> None:
+        """After a failure anywhere: finish in-flight I/O quietly and hold no buffer. Never raises."""
+
+    def adam(self, views: AdamViews, grad: torch.Tensor, out_lowp: torch.Tensor | None, hyper: dict) -> bool:
+        """One Adam step in place. Returns whether `out_lowp` got the new weights in the compute dtype
+        (the CPU kernel writes them in the same pass)."""
+        cpu_adam_step(views.param, grad, views.exp_avg, views.exp_avg_sq, out_lowp=out_lowp,
+                      check_finite=False, **hyper)
+        return out_lowp is not None
+
+    def export(self, owner, views: AdamViews, use):
+        """Hand host fp32 views to `use(owner, p, m, v)`; returns its wait (see ShardedAdam.export_state)."""
+        return use(owner, views.param, views.exp_avg, views.exp_avg_sq)
+
+    def import_(self, owner, views: AdamViews, fill) -> None:
+        """`fill(owner, p, m, v)` writes the new state into host fp32 views (see ShardedAdam.import_state)."""
+        fill(owner, views.param, views.exp_avg, views.exp_avg_sq)
+
+
+class HostState(GroupState):
+    """offload_optimizer cpu: three fp32 tensors in host RAM (12 bytes per parameter), stepped by CPU Adam."""
+
+    tier = Tier.CPU
+
+    def __init__(self, numel: int, device: torch.device | None = None):
+        super().__init__(numel)
+        self.views = AdamViews(*(torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(3)))
+
+    @property
+    def device(self) -> torch.device:
+        return self.views.param.device
+
+    def open(self, *, blank: bool = False) -> AdamViews:
+        return self.views
+
+
+class DeviceState(HostState):
+    """offload_optimizer none: the state stays in the compute device's memory and is stepped there.
+
+    On a CPU-only machine the device is the host, and this is HostState. On
+    an accelerator, Adam runs as torch ops with the CPU kernel's math, and a
+    checkpoint stages one parameter's slice at a time through host memory,
+    so the staging copy is bounded by the largest shard, not the sub-group.
+    """
+
+    tier = Tier.DEVICE
+
+    def __init__(self, numel: int, device: torch.device, *, slices=()):
+        super().__init__(numel, device)
+        self.slices = list(slices)
+        """(owner, lo, hi) of each parameter's shard in the group: the checkpoint staging unit."""
+
+    def _on_host(self) -> bool:
+        return self.views.param.device == HOST
+
+    def adam(self, views: AdamViews, grad: torch.Tensor, out_lowp: torch.Tensor | None, hyper: dict) -> bool:
+        if self._on_host():
+            return super().adam(views, grad, out_lowp, hyper)
+        _device_adam(views, grad, **hyper)
+        return False
+
+    def export(self, owner, views: AdamViews, use):
+        if self._on_host():
+            return super().export(owner, views, use)
+        for sub, lo, hi in self.slices:
+            use(sub, *(t[lo:hi].cpu() for t in (views.param, views.exp_avg, views.exp_avg_sq)))()
+        return None
+
+    def import_(self, owner, views: AdamViews, fill) -> None:
+        if self._on_host():
+            return super().import_(owner, views, fill)
+        for sub, lo, hi in self.slices:
+            tmp = torch.empty(3, hi - lo, dtype=torch.float32)
+            fill(sub, tmp[0], tmp[1], tmp[2])
+            for dst, src in zip((views.param, views.exp_avg, views.exp_avg_sq), tmp):
+                dst[lo:hi].copy_(src)
+
+
+class NvmeState(GroupState):
+    """offload_optimizer nvme: one swap partition [param | exp_avg | exp_avg_sq] of 3n fp32 values.
+
+    The group moves in one read and one write of 12 bytes per parameter,
+    through one pool buffer of the swapper's pool. Between open() and
+    close() that buffer is the group's; close(write=True) hands it to the
+    write and the swapper's reaper gives it back (see [Note: who releases a
+    swap-out buffer] in swapper.py).
+    """
+
+    tier = Tier.NVME
+
+    def __init__(self, numel: int, swapper: TensorSwapper, part_id: str):
+        super().__init__(numel)
+        self.swapper = swapper
+        self.id = part_id
+        self._read = None  # the prefetched (or open()'s) read future
+        self._blank = None  # the pool buffer open(blank=True) took, until close() hands it to the write
+        self.last_read = None  # the future of the last read, for telemetry spans
+
+    @property
+    def io_bytes(self) -> int:
+        return 12 * self.numel
+
+    @property
+    def path(self) -> str:
+        return self.swapper.path_of(self.id)
+
+    def prefetch(self, *, reserve: int = 0) -> None:
+        if self._read is None:
+            self._read = self.swapper.swap_in(self.id, prefetch=True, reserve=reserve)
+
+    def fetch(self) -> None:
+        if self._read is None:
+            self._read = self.swapper.swap_in(self.id)
+
+    def ready(self) -> bool:
+        return self._read is not None
+
+    def open(self, *, blank: bool = False) -> AdamViews:
+        n = self.numel
+        if blank:
+            self._blank = self.swapper.pool.acquire(f"fill {self.id}")
+            state = self._blank.view(torch.float32, 3 * n)
+        else:
+            fut, self._read = self._read or self.swapper.swap_in(self.id), None
+            self.last_read = fut
+            state = fut.wait()  # a failed read has already given its buffer back
+        return AdamViews(state[:n], state[n:2 * n], state[2 * n:])
+
+    def close(self, *, write: bool):
+        sw = self.swapper
+        if self._blank is not None:
+            buf, self._blank = self._blank, None
+            if not write:
+                sw.pool.release(buf)
+                return None
+            try:
+                return sw.swap_out_buffer(self.id, buf, torch.float32, 3 * self.numel)
+            except BaseException:
+                if sw.registry[self.id].buffer is not buf:  # the swapper did not take it over
+                    sw.pool.release(buf)
+                raise
+        if not write:
+            sw.release(self.id)
+            return None
+        view = sw.registry[self.id].buffer.view(torch.float32, 3 * self.numel)
+        return sw.swap_out(self.id, view)
+
+    def abandon(self) -> None:
+        sw = self.swapper
+        fut, self._read = self._read, None
+        if fut is not None:
+            try:
+                fut.wait()
+            except BaseException:  # noqa: BLE001 - a failed read holds nothing
+                pass
+        if self._blank is not None:
+            buf, self._blank = self._blank, None
+            sw.pool.release(buf)
+        try:
+            part = sw.registry[self.id]
+        except KeyError:
+            return
+        if part.residency is Residency.IN_CPU:
+            try:
+                sw.release(self.id)  # its file still holds the state from before this use
+            except BaseException:  # noqa: BLE001 - a dirty partition (failed write) keeps its bytes
+                pass
+
+    def at_rest(self) -> bool:
+        try:
+            return self.swapper.registry[self.id].buffer is None and self._read is None
+        except KeyError:
+            return True
+
+
+def _device_adam(views: AdamViews, grad, *, step, lr, betas, eps, weight_decay, adamw, bias_correction,
+                 grad_scale):
+    """Adam on an accelerator: the same math as cpu_adam_step, in torch ops."""
+    grad = grad / grad_scale
+    p, m, v = views.param, views.exp_avg, views.exp_avg_sq
+    if not adamw and weight_decay:
+        grad = grad.add(p, alpha=weight_decay)
+    if adamw and weight_decay:
+        p.mul_(1 - lr * weight_decay)
+    m.lerp_(grad, 1 - betas[0])
+    v.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+    bc1 = 1 - betas[0] ** step if bias_correction else 1.0
+    bc2 = 1 - betas[1] ** step if bias_correction else 1.0
+    p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
