@@ -19,7 +19,8 @@ import struct
 import numpy as np
 import torch
 
-from infinity.checkpoint.layout import STATES, CheckpointCorruptionError, CheckpointError, chunk_path, fsync_dir
+from infinity.checkpoint.layout import (STATES, CheckpointCorruptionError, CheckpointError, Manifest, chunk_path,
+                                        fsync_dir)
 from infinity.checkpoint.load import resolve
 from infinity.checkpoint.stream import ChunkReader
 from infinity.dtypes import BY_NAME
@@ -31,39 +32,40 @@ _ST_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", 
               torch.bool: "BOOL"}
 
 
-def entries(m: dict, state: str = "master", *, aliases: bool = True):
+def entries(m: Manifest, state: str = "master", *, aliases: bool = True):
     """{state_dict key: (shape, dtype, chunk files as [(file key, stored bytes, bytes to keep)])}, by element size.
 
     aliases=False names a tied weight once (as save_pretrained does; from_pretrained ties it again)."""
     out = {}
-    for p in m["params"]:
-        nbytes, chunk = 4 * p["numel"], 4 * p["part"]
+    for p in m.params:
+        nbytes, chunk = 4 * p.numel, 4 * p.part
         files = []
-        for c in range(-(-p["numel"] // p["part"])):
-            files.append((("param", state, p["name"], c), chunk, min(chunk, nbytes - c * chunk)))
-        out[p["name"]] = (p["shape"], torch.float32, files)
+        for c in range(-(-p.numel // p.part)):
+            files.append((("param", state, p.name, c), chunk, min(chunk, nbytes - c * chunk)))
+        out[p.name] = (p.shape, torch.float32, files)
     # tied weights: torch's state_dict names them all; safetensors cannot share storage, so they are repeated
-    for alias, name in (m.get("aliases", {}) if aliases else {}).items():
-        out[alias] = out[name]
-    for e in m.get("extras", []):
-        dtype = BY_NAME[e["dtype"]]
-        n = int(np.prod(e["shape"], dtype=np.int64)) * dtype.itemsize
-        out[e["name"]] = (e["shape"], dtype, [(("extra", "extra", e["name"], 0), n, n)] if n else [])
+    for alias, name in (m.aliases if aliases else {}).items():
+        if name in out:  # not when the weight is a frozen one left out at save
+            out[alias] = out[name]
+    for e in m.extras:
+        dtype = BY_NAME[e.dtype]
+        n = int(np.prod(e.shape, dtype=np.int64)) * dtype.itemsize
+        out[e.name] = (e.shape, dtype, [(("extra", "extra", e.name, 0), n, n)] if n else [])
     # By falling element size (stable): every tensor then starts aligned to its own element size, since the
     # data block starts 8-aligned, as torch.frombuffer and mmap readers want.
     return dict(sorted(out.items(), key=lambda kv: -kv[1][1].itemsize))
 
 
-def all_chunks(root: str, m: dict):
+def all_chunks(root: str, m: Manifest):
     """(path, value bytes, what) of every chunk file of a checkpoint."""
-    for p in m["params"]:
-        for state in (STATES[:1] if p.get("frozen") else STATES):
-            for c in range(-(-p["numel"] // p["part"])):
-                yield chunk_path(root, state, p["name"], c), 4 * p["part"], f"{state} of parameter {p['name']}"
-    for e in m.get("extras", []):
-        n = int(np.prod(e["shape"], dtype=np.int64)) * BY_NAME[e["dtype"]].itemsize
+    for p in m.params:
+        for state in (STATES[:1] if p.frozen else STATES):
+            for c in range(-(-p.numel // p.part)):
+                yield chunk_path(root, state, p.name, c), 4 * p.part, f"{state} of parameter {p.name}"
+    for e in m.extras:
+        n = int(np.prod(e.shape, dtype=np.int64)) * BY_NAME[e.dtype].itemsize
         if n:
-            yield chunk_path(root, "extra", e["name"], 0), n, f"buffer {e['name']}"
+            yield chunk_path(root, "extra", e.name, 0), n, f"buffer {e.name}"
 
 
 def stream_chunk(path: str, nbytes: int, keep: int, sink, stage: torch.Tensor, what: str) -> None:
@@ -107,7 +109,7 @@ def export(directory, out_path, tag: str | None = None) -> dict:
         for p in (st_path, out_path + ".tmp"):
             if os.path.exists(p):
                 os.unlink(p)
-    return {"path": out_path, "tensors": len(ents), "bytes": total}
+    return {"path": out_path, "tensors": len(ents), "bytes": total, "left_out": list(m.excluded_frozen)}
 
 
 def export_hf(directory, out_dir, tag: str | None = None, *, max_shard_bytes: int = 5 << 30) -> dict:
@@ -115,7 +117,12 @@ def export_hf(directory, out_dir, tag: str | None = None, *, max_shard_bytes: in
     model.safetensors (or model-0000k-of-0000n.safetensors with model.safetensors.index.json), streamed.
     `from_pretrained(out_dir)` loads the trained weights. Returns {"path", "files", "tensors", "bytes"}."""
     root, m = resolve(directory, tag)
-    config = m.get("hf_config")
+    if m.excluded_frozen:
+        raise CheckpointError(f"checkpoint {root} was saved with exclude_frozen_parameters, so it lacks "
+                              f"{len(m.excluded_frozen)} frozen weights (e.g. {m.excluded_frozen[0]}); from_pretrained "
+                              "would initialise them at random. Load it into the model built from its base weights "
+                              "and save again without exclude_frozen_parameters")
+    config = m.hf_config
     if config is None:
         raise CheckpointError(f"checkpoint {root} was not saved from a Hugging Face PreTrainedModel (its manifest has "
                               "no hf_config), so there is no config.json to write; export a state_dict instead: "
@@ -165,15 +172,15 @@ def export_hf(directory, out_dir, tag: str | None = None, *, max_shard_bytes: in
     return {"path": out_dir, "files": names, "tensors": len(ents), "bytes": total}
 
 
-def _write_safetensors(root, m, ents, path):
+def _write_safetensors(root, m: Manifest, ents, path):
     header, offsets, pos = {}, {}, 0
     for key, (shape, dtype, files) in ents.items():
         n = sum(k for _, _, k in files)
         header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
         offsets[key] = pos
         pos += n
-    header["__metadata__"] = {"format": "pt", "source": "infinity checkpoint", "tag": m["tag"],
-                              "global_steps": str(m["engine"]["global_steps"])}
+    header["__metadata__"] = {"format": "pt", "source": "infinity checkpoint", "tag": m.tag,
+                              "global_steps": str(m.engine["global_steps"])}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     stage = torch.empty(PIECE, dtype=torch.uint8)
@@ -212,23 +219,22 @@ def _safetensors_to_pt(st_path, ents, offsets, out_path):
 def info(directory, tag: str | None = None, *, verify: bool = False) -> dict:
     """What a checkpoint holds (and, with verify, whether every chunk matches its CRC-32C)."""
     root, m = resolve(directory, tag)
-    numel = sum(p["numel"] for p in m["params"])
+    numel = sum(p.numel for p in m.params)
     disk = 0
     for dirpath, _, files in os.walk(root):
         disk += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
-    cfg = m.get("config", {})
-    zero = cfg.get("zero_optimization", {})
-    out = {"path": root, "tag": m["tag"], "created": m["created"], "world_size": m["world_size"],
-           "compute_dtype": m["compute_dtype"], "global_steps": m["engine"]["global_steps"],
-           "skipped_steps": m["engine"]["skipped_steps"], "lr": m["engine"]["lr"],
-           "loss_scale": m["engine"]["loss_scaler"]["scale"], "parameters": numel,
-           "tensors": len(m["params"]), "tied": len(m.get("aliases", {})), "buffers": len(m.get("extras", [])),
-           "states": m["states"], "bytes_on_disk": disk,
+    zero = m.config.get("zero_optimization", {})
+    out = {"path": root, "tag": m.tag, "created": m.created, "world_size": m.world_size,
+           "compute_dtype": m.compute_dtype, "global_steps": m.engine["global_steps"],
+           "skipped_steps": m.engine["skipped_steps"], "lr": m.engine["lr"],
+           "loss_scale": m.engine["loss_scaler"]["scale"], "parameters": numel,
+           "tensors": len(m.params), "tied": len(m.aliases), "buffers": len(m.extras),
+           "states": list(m.states), "bytes_on_disk": disk,
            "offload": {"param": zero.get("offload_param", {}).get("device"),
                        "optimizer": zero.get("offload_optimizer", {}).get("device")},
-           "client_state": m.get("client_state")}
+           "client_state": m.client_state}
     latest = os.path.join(os.path.dirname(root), "latest")
-    out["is_latest"] = os.path.exists(latest) and open(latest).read().strip() == m["tag"]
+    out["is_latest"] = os.path.exists(latest) and open(latest).read().strip() == m.tag
     if verify:
         stage = torch.empty(PIECE, dtype=torch.uint8)
         out["verified_bytes"] = 0
@@ -271,6 +277,9 @@ def run(args) -> int:
                              "--hf OUT_DIR")
         r = export(args.dir, args.out, args.tag)
         print(f"wrote {r['path']}: {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB")
+        if r["left_out"]:
+            print(f"note: {len(r['left_out'])} frozen parameters were left out when it was saved "
+                  f"(exclude_frozen_parameters) and are not in the file: {r['left_out'][:3]}")
         return 0
     r = info(args.dir, args.tag, verify=args.verify)
     if args.json:

@@ -36,6 +36,7 @@ import errno
 import json
 import os
 import re
+from dataclasses import dataclass, field
 
 FORMAT = "infinity-checkpoint"
 VERSION = 1
@@ -56,6 +57,156 @@ class CheckpointCorruptionError(CheckpointError, OSError):
         OSError.__init__(self, errno.EIO, f"checkpoint chunk of {what} is corrupted: CRC-32C is {actual:#010x}, "
                                           f"{expected:#010x} was stored", path)
         self.expected, self.actual = expected, actual
+
+
+_REQUIRED = object()
+
+
+def _unusable(root: str, what: str, why: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {root} is corrupted: its manifest's {what} is unusable ({why})")
+
+
+def _take(d: dict, key: str, kind, root: str, where: str = "", default=_REQUIRED):
+    """d[key] if it is a `kind` (a type or tuple of types; bool is no int here), else d's default when key is
+    absent and there is one; else a CheckpointError naming root and the field."""
+    what = f"{where}.{key}" if where else key
+    if key not in d:
+        if default is _REQUIRED:
+            raise _unusable(root, what, "missing")
+        return default
+    value, kinds = d[key], kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        expected = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+        raise _unusable(root, what, f"{type(value).__name__} where {expected} was expected")
+    return value
+
+
+def _count(d: dict, key: str, root: str, where: str, low: int) -> int:
+    value = _take(d, key, int, root, where)
+    if value < low:
+        raise _unusable(root, f"{where}.{key}" if where else key, f"{value} is below {low}")
+    return value
+
+
+def _shape(d: dict, root: str, where: str) -> tuple[int, ...]:
+    shape = _take(d, "shape", list, root, where)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise _unusable(root, f"{where}.shape", f"{shape!r} is not a list of sizes")
+    return tuple(shape)
+
+
+def _entries(d: dict, key: str, root: str, default=_REQUIRED) -> list[tuple[str, dict]]:
+    """(field name, entry) of each object in the list d[key]."""
+    items = _take(d, key, list, root, default=default)
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _unusable(root, f"{key}[{i}]", f"{type(item).__name__} where dict was expected")
+    return [(f"{key}[{i}]", item) for i, item in enumerate(items)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedParam:
+    """One partitioned parameter in a checkpoint: a 1-D float32 array per state, chunked by the saving shards."""
+
+    name: str
+    """Its name: the managed parameter's (state_dict key) and its arrays' directory under each state."""
+    shape: tuple[int, ...]
+    """Its shape in the model."""
+    numel: int
+    """Its number of elements: the arrays' length (without padding)."""
+    part: int
+    """Elements per chunk: the shard size of the saving world, so chunk r is what rank r owned."""
+    frozen: bool = False
+    """Saved frozen (requires_grad=False): only `master` holds it, there is no optimizer state."""
+
+    @classmethod
+    def parse(cls, d: dict, root: str, where: str) -> SavedParam:
+        return cls(name=_take(d, "name", str, root, where), shape=_shape(d, root, where),
+                   numel=_count(d, "numel", root, where, 0), part=_count(d, "part", root, where, 1),
+                   frozen=_take(d, "frozen", bool, root, where, False))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedExtra:
+    """A buffer or frozen unpartitioned parameter in a checkpoint: one chunk, extra/<name>/c.0, in its own dtype."""
+
+    name: str
+    """Its state_dict key, and its array's directory under extra/."""
+    shape: tuple[int, ...]
+    """Its shape in the model."""
+    dtype: str
+    """Its dtype's name (a key of infinity.dtypes.BY_NAME: "float32", "bfloat16", ...)."""
+
+    @classmethod
+    def parse(cls, d: dict, root: str, where: str) -> SavedExtra:
+        from infinity.dtypes import BY_NAME
+
+        dtype = _take(d, "dtype", str, root, where)
+        if dtype not in BY_NAME:
+            raise _unusable(root, f"{where}.dtype", f"unknown dtype {dtype!r}")
+        return cls(name=_take(d, "name", str, root, where), shape=_shape(d, root, where), dtype=dtype)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """A checkpoint's manifest (the root zarr.json's infinity_checkpoint attribute), as save.manifest writes it."""
+
+    version: int
+    """The format version it was written in (at most VERSION)."""
+    tag: str
+    """The tag it was saved under."""
+    world_size: int
+    """How many ranks saved it (RNG states are per rank: only a load into as many ranks restores them)."""
+    created: str
+    """When it was saved: UTC, %Y-%m-%dT%H:%M:%SZ."""
+    compute_dtype: str
+    """The engine's compute dtype's name."""
+    states: tuple[str, ...]
+    """The optimizer states it holds per trainable parameter (STATES)."""
+    params: tuple[SavedParam, ...]
+    """Every partitioned parameter, in the engine's registration order."""
+    extras: tuple[SavedExtra, ...] = ()
+    """Buffers and frozen unpartitioned parameters."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """state_dict keys of tied weights -> the name of the parameter saved for them."""
+    engine: dict | None = None
+    """Counters, lrs, loss scaler, fp16 and lr scheduler state as saved; checked by the load that applies them
+    (a module-only load does not)."""
+    client_state: object = None
+    """The caller's client_state when JSON carried it exactly; None when it was pickled."""
+    client_state_pickle: str | None = None
+    """The pickled client_state (base64), when JSON could not carry it."""
+    hf_config: dict | None = None
+    """The Hugging Face model's config (for `checkpoint export --hf`); None for any other module."""
+    config: dict = field(default_factory=dict)
+    """The engine config it was saved with (as JSON)."""
+    excluded_frozen: tuple[str, ...] = ()
+    """Frozen parameters left out (save_checkpoint(exclude_frozen_parameters=True)): a load keeps their values."""
+
+    @classmethod
+    def parse(cls, d: dict, root: str) -> Manifest:
+        """The record of manifest d (its format, version, completeness and CRC-32C already checked, see
+        load.resolve); a CheckpointError naming root and the first unusable field."""
+        params = tuple(SavedParam.parse(p, root, where) for where, p in _entries(d, "params", root))
+        excluded = _take(d, "excluded_frozen", list, root, default=[])
+        names = {p.name for p in params} | set(excluded)
+        aliases = _take(d, "aliases", dict, root, default={})
+        for alias, name in aliases.items():
+            if not isinstance(name, str) or name not in names:
+                raise _unusable(root, f"aliases[{alias!r}]", f"{name!r} is not a saved parameter")
+        states = _take(d, "states", list, root)
+        if not all(isinstance(s, str) for s in states):
+            raise _unusable(root, "states", f"{states!r} is not a list of names")
+        return cls(version=_take(d, "version", int, root, default=0), tag=_take(d, "tag", str, root),
+                   world_size=_count(d, "world_size", root, "", 1), created=_take(d, "created", str, root),
+                   compute_dtype=_take(d, "compute_dtype", str, root), states=tuple(states), params=params,
+                   extras=tuple(SavedExtra.parse(e, root, where) for where, e in _entries(d, "extras", root, [])),
+                   aliases=aliases, engine=_take(d, "engine", (dict, type(None)), root, default=None),
+                   client_state=d.get("client_state"),
+                   client_state_pickle=_take(d, "client_state_pickle", str, root, default=None),
+                   hf_config=_take(d, "hf_config", (dict, type(None)), root, default=None),
+                   config=_take(d, "config", dict, root, default={}),
+                   excluded_frozen=tuple(excluded))
 
 
 def check_tag(tag: str) -> str:

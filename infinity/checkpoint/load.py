@@ -22,29 +22,31 @@ import glob
 import os
 import pickle
 import random
+import warnings
 
 import numpy as np
 import torch
 
-from infinity.checkpoint.layout import (FORMAT, LATEST, STATES, VERSION, CheckpointError, check_tag, chunk_path,
-                                        crc_of, partial_dir, read_json, read_latest)
+from infinity.checkpoint.layout import (FORMAT, LATEST, STATES, VERSION, CheckpointError, Manifest, check_tag,
+                                        chunk_path, crc_of, partial_dir, read_json, read_latest)
 from infinity.checkpoint.save import extra_tensors, rng_state, together
 from infinity.checkpoint.stream import ChunkReader, Window, open_io
 from infinity.dtypes import BY_NAME
 
 
-def resolve(directory, tag: str | None = None) -> tuple[str, dict]:
+def resolve(directory, tag: str | None = None) -> tuple[str, Manifest]:
     """(checkpoint root, manifest) of `tag` (default: the one DIR/latest names), or a CheckpointError saying why not."""
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(directory):
-        raise CheckpointError(f"no checkpoint at {directory}: " + (
-            "it is not a directory" if os.path.exists(directory) else "no such directory"))
+        raise (NoLatest if tag is None and not os.path.exists(directory) else CheckpointError)(
+            f"no checkpoint at {directory}: " + ("it is not a directory" if os.path.exists(directory)
+                                                 else "no such directory"))
     if tag is None:
         latest = os.path.join(directory, LATEST)
         tag = read_latest(directory)
         if tag is None:
             partials = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, ".*.partial")))
-            raise CheckpointError(f"no checkpoint in {directory}: it has no '{LATEST}' file" + (
+            raise NoLatest(f"no checkpoint in {directory}: it has no '{LATEST}' file" + (
                 f" (only the interrupted save(s) {partials})" if partials else "") + "; pass tag= to load a "
                 "specific one")
         try:
@@ -83,62 +85,87 @@ def resolve(directory, tag: str | None = None) -> tuple[str, dict]:
     if stored != actual:
         raise CheckpointError(f"checkpoint {root} is corrupted: its manifest ({meta_path}) does not match the "
                               f"CRC-32C stored with it")
-    return root, m
+    return root, Manifest.parse(m, root)
 
 
-def check_compatible(engine, m: dict, root: str, module_only: bool = False, optimizer_states: bool = True) -> None:
-    """Names and shapes of every partitioned parameter and buffer must match; raises naming the first few that do not."""
-    saved = {p["name"]: p for p in m["params"]}
+class NoLatest(CheckpointError):
+    """The directory has no `latest` file and no tag was given (DeepSpeed's load_checkpoint returns (None, None))."""
+
+
+def check_compatible(engine, m: Manifest, root: str, module_only: bool = False,
+                     optimizer_states: bool = True, strict: bool = True) -> None:
+    """Names and shapes of every partitioned parameter and buffer must match; raises naming the first few that do not.
+    Not strict: names on one side only are allowed (the model's keep their values), shapes must still match."""
+    saved = {p.name: p for p in m.params}
     mine = {mp.name: mp for mp in engine.store.params}
     problems = []
-    for name in mine.keys() - saved.keys():
-        problems.append(f"parameter {name} is not in the checkpoint")
-    for name in saved.keys() - mine.keys():
-        problems.append(f"checkpoint parameter {name} is not in the model")
+    left_out = set(m.excluded_frozen)
+    for name in sorted(left_out & mine.keys()):
+        if mine[name].trainable and strict:
+            problems.append(f"parameter {name} was frozen and left out when saved (exclude_frozen_parameters), so "
+                            "the checkpoint has no weights for it; freeze it as it was, or load non-strictly to "
+                            "keep its current values")
+    missing = sorted(mine.keys() - saved.keys() - {n for n in left_out if n in mine and not mine[n].trainable})
+    unexpected = sorted(saved.keys() - mine.keys())
+    if strict:
+        problems += [f"parameter {name} is not in the checkpoint" for name in missing]
+        problems += [f"checkpoint parameter {name} is not in the model" for name in unexpected]
+    elif missing and not mine.keys() & saved.keys():
+        raise CheckpointError(f"checkpoint {root} has none of this model's parameters (the model has e.g. "
+                              f"{missing[0]!r}, the checkpoint {unexpected[:1]}); a non-strict load would change "
+                              "nothing, so check that the names match")
+    elif missing or unexpected:
+        warnings.warn(f"infinity: non-strict load of {root}: {len(missing)} parameters of the model are not in it and "
+                      f"keep their values ({missing[:3]}), {len(unexpected)} of its parameters are not in the model "
+                      f"and were skipped ({unexpected[:3]})", stacklevel=4)
     for name in mine.keys() & saved.keys():
-        if mine[name].trainable and saved[name].get("frozen") and not module_only and optimizer_states:
+        if mine[name].trainable and saved[name].frozen and not module_only and optimizer_states:
             problems.append(f"parameter {name} was frozen when saved, so the checkpoint has no optimizer state for "
                             "it; pass load_module_only=True, or freeze it (requires_grad=False) as it was")
-        if list(mine[name].shape) != list(saved[name]["shape"]):
-            problems.append(f"parameter {name}: the checkpoint has shape {tuple(saved[name]['shape'])}, the model "
+        if list(mine[name].shape) != list(saved[name].shape):
+            problems.append(f"parameter {name}: the checkpoint has shape {tuple(saved[name].shape)}, the model "
                             f"{tuple(mine[name].shape)}")
-    extras = {e["name"]: e for e in m.get("extras", [])}
+    extras = {e.name: e for e in m.extras}
     for name, t in extra_tensors(engine.module).items():
         e = extras.get(name)
         if e is None:
-            problems.append(f"buffer {name} is not in the checkpoint")
-        elif list(t.shape) != list(e["shape"]):
-            problems.append(f"buffer {name}: the checkpoint has shape {tuple(e['shape'])}, the model {tuple(t.shape)}")
+            if strict:
+                problems.append(f"buffer {name} is not in the checkpoint")
+        elif list(t.shape) != list(e.shape):
+            problems.append(f"buffer {name}: the checkpoint has shape {tuple(e.shape)}, the model {tuple(t.shape)}")
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise CheckpointError(f"checkpoint {root} does not fit this model: " + "; ".join(sorted(problems)[:5]) + more)
 
 
-def my_reads(engine, m: dict):
-    """(managed param, saved entry, lo, hi, [(chunk index, first element, last element)]) for this rank."""
-    saved = {p["name"]: p for p in m["params"]}
+def my_reads(engine, m: Manifest):
+    """(managed param, saved entry, lo, hi, [(chunk index, first element, last element)]) for this rank, for every
+    parameter the checkpoint has."""
+    saved = {p.name: p for p in m.params}
     rank = engine.comm.rank
     for mp in engine.store.params:
-        s = saved[mp.name]
+        s = saved.get(mp.name)
+        if s is None:  # a non-strict load: it keeps its current values
+            continue
         lo, hi = rank * mp.part, min(mp.numel, (rank + 1) * mp.part)
         pieces = []
         pos = lo
         while pos < hi:
-            c = pos // s["part"]
-            end = min(hi, (c + 1) * s["part"])
+            c = pos // s.part
+            end = min(hi, (c + 1) * s.part)
             pieces.append((c, pos, end))
             pos = end
         yield mp, s, lo, hi, pieces
 
 
 def load(engine, directory, tag: str | None = None, *, verify: bool = True, module_only: bool = False,
-         lr_scheduler: bool = True, optimizer_states: bool = True) -> tuple[str, object]:
+         lr_scheduler: bool = True, optimizer_states: bool = True, strict: bool = True) -> tuple[str, object]:
     """See Engine.load_checkpoint and [Note: verify before load]."""
     comm = engine.comm
     root, m = _lookup(comm, directory, tag)
     states = STATES[:1] if module_only or not optimizer_states else STATES
     client_state = _client_state(m, root)
-    apply = together(comm, "check", lambda: (check_compatible(engine, m, root, module_only, optimizer_states),
+    apply = together(comm, "check", lambda: (check_compatible(engine, m, root, module_only, optimizer_states, strict),
                                              _prepare_restore(engine, m, root, module_only, lr_scheduler))[1])
     io = open_io(engine.config, root)
     reader = ChunkReader(io)
@@ -155,11 +182,11 @@ def load(engine, directory, tag: str | None = None, *, verify: bool = True, modu
     return root, client_state
 
 
-def _client_state(m: dict, root: str):
-    if "client_state_pickle" not in m:
-        return m.get("client_state")
+def _client_state(m: Manifest, root: str):
+    if m.client_state_pickle is None:
+        return m.client_state
     try:  # as torch.load(weights_only=False) would: a checkpoint is trusted input (see Engine.save_checkpoint)
-        return pickle.loads(base64.b64decode(m["client_state_pickle"]))
+        return pickle.loads(base64.b64decode(m.client_state_pickle))
     except Exception as exc:  # noqa: BLE001 - any failure means the stored bytes are unusable
         raise CheckpointError(f"checkpoint {root}: its client_state cannot be unpickled ({exc})") from None
 
@@ -177,25 +204,25 @@ def _lookup(comm, directory, tag):
     if err is not None:
         raise err
     if out[0] == "error":
-        raise (ValueError if out[1] == "ValueError" else CheckpointError)(out[2])
+        kind = {"ValueError": ValueError, "NoLatest": NoLatest}.get(out[1], CheckpointError)
+        raise kind(out[2])
     return out[1]
 
 
-def _verify(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
+def _verify(engine, m: Manifest, root: str, reader: ChunkReader, states) -> None:
     chunks = {}
     for mp, s, lo, hi, pieces in my_reads(engine, m):
         for c, _, _ in pieces:
             for state in (states if mp.trainable else STATES[:1]):
-                chunks.setdefault(chunk_path(root, state, mp.name, c), (4 * s["part"], f"{state} of parameter {mp.name}"))
-    for e in m.get("extras", []):
-        n = int(np.prod(e["shape"], dtype=np.int64))
+                chunks.setdefault(chunk_path(root, state, mp.name, c), (4 * s.part, f"{state} of parameter {mp.name}"))
+    for e in m.extras:
+        n = int(np.prod(e.shape, dtype=np.int64))
         if n:
-            chunks[chunk_path(root, "extra", e["name"], 0)] = (n * BY_NAME[e["dtype"]].itemsize,
-                                                               f"buffer {e['name']}")
+            chunks[chunk_path(root, "extra", e.name, 0)] = (n * BY_NAME[e.dtype].itemsize, f"buffer {e.name}")
     reader.verify((path, n, what) for path, (n, what) in chunks.items())
 
 
-def _load(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
+def _load(engine, m: Manifest, root: str, reader: ChunkReader, states) -> None:
     """Weights (and, unless module_only, Adam's moments) and buffers into this rank's engine."""
     plan = {id(mp): (s, lo, hi, pieces) for mp, s, lo, hi, pieces in my_reads(engine, m)}
 
@@ -203,6 +230,8 @@ def _load(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
         window = Window()
         try:
             for mp, off in zip(g.params, g.offsets):
+                if id(mp) not in plan:  # not in the checkpoint (a non-strict load): its state stays
+                    continue
                 s, lo, hi, pieces = plan[id(mp)]
                 for state, dest in zip(STATES, (p, mm, v)):
                     d = dest[off:off + mp.part]
@@ -212,13 +241,14 @@ def _load(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
                     d[max(0, hi - lo):].zero_()  # padding
                     for c, a, b in pieces:
                         reader.read_into(window, d[a - lo:b - lo], chunk_path(root, state, mp.name, c),
-                                         4 * (a - c * s["part"]))
+                                         4 * (a - c * s.part))
         finally:
             window.finish()  # every read has landed (or failed) before the caller reuses these buffers
 
-    engine.optimizer.import_state(fill, refresh=False)
+    partial = any(id(mp) not in plan for mp in engine.store.params if mp.trainable)
+    engine.optimizer.import_state(fill, refresh=False, keep_unfilled=partial)
     for mp in engine.store.params:  # frozen ones: weights only, one shard at a time
-        if mp.trainable:
+        if mp.trainable or id(mp) not in plan:
             continue
         s, lo, hi, pieces = plan[id(mp)]
         shard = torch.zeros(mp.part, dtype=torch.float32)
@@ -226,23 +256,23 @@ def _load(engine, m: dict, root: str, reader: ChunkReader, states) -> None:
         try:
             for c, a, b in pieces:
                 reader.read_into(window, shard[a - lo:b - lo], chunk_path(root, "master", mp.name, c),
-                                 4 * (a - c * s["part"]))
+                                 4 * (a - c * s.part))
         finally:
             window.finish()
         engine.store.write_shard(mp, shard, wait=True)
     current = extra_tensors(engine.module)
-    for e in m.get("extras", []):
-        t = current.get(e["name"])
+    for e in m.extras:
+        t = current.get(e.name)
         if t is None or not t.numel():
             continue
-        tmp = torch.empty(t.numel(), dtype=BY_NAME[e["dtype"]])
+        tmp = torch.empty(t.numel(), dtype=BY_NAME[e.dtype])
         window = Window()
-        reader.read_into(window, tmp.view(torch.uint8), chunk_path(root, "extra", e["name"], 0), 0)
+        reader.read_into(window, tmp.view(torch.uint8), chunk_path(root, "extra", e.name, 0), 0)
         window.finish()
         t.copy_(tmp.view(t.shape))
 
 
-def _prepare_restore(engine, m: dict, root: str, module_only: bool, lr_scheduler: bool):
+def _prepare_restore(engine, m: Manifest, root: str, module_only: bool, lr_scheduler: bool):
     """Check everything besides the arrays that a load will apply, and return the function that applies it
     (after the arrays are in). Raises CheckpointError, with nothing changed, if any of it is unusable."""
     from infinity.engine.loss_scaler import LossScaler
@@ -253,7 +283,7 @@ def _prepare_restore(engine, m: dict, root: str, module_only: bool, lr_scheduler
 
     if module_only:  # Adam starts afresh from the loaded weights; the engine's counters stay
         return fresh_optimizer
-    e = m.get("engine")
+    e = m.engine
     try:
         counters = {k: int(e[k]) for k in ("global_steps", "skipped_steps", "micro_steps", "optimizer_steps")}
         lrs = [float(x) for x in e["lr"]]
@@ -285,7 +315,7 @@ def _prepare_restore(engine, m: dict, root: str, module_only: bool, lr_scheduler
             sched.load_state_dict(old)
     rng = None
     rank_meta = os.path.join(root, "ranks", str(engine.comm.rank), "zarr.json")
-    if engine.comm.world == m["world_size"]:  # RNG streams are per rank: only the same world continues them
+    if engine.comm.world == m.world_size:  # RNG streams are per rank: only the same world continues them
         rng = _read_rng(rank_meta, root)
     use_scaler = bool(e.get("fp16")) and engine.config.fp16.enabled
 

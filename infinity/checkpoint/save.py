@@ -135,15 +135,16 @@ def scheduler_state(sched) -> dict | None:
         return {"type": type(sched).__name__, "pickle": base64.b64encode(pickle.dumps(state)).decode()}
 
 
-def manifest(engine, tag: str, client_state) -> dict:
+def manifest(engine, tag: str, client_state, *, exclude_frozen: bool = False) -> dict:
     store, opt = engine.store, engine.optimizer
     extras = extra_tensors(engine.module)
+    excluded = {"excluded_frozen": [mp.name for mp in store.params if not mp.trainable]} if exclude_frozen else {}
     return {
         "format": FORMAT, "version": VERSION, "complete": True, "tag": tag, "world_size": engine.comm.world,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "compute_dtype": name_of(store.dtype), "states": list(STATES),
         "params": [{"name": mp.name, "shape": list(mp.shape), "numel": mp.numel, "part": mp.part,
-                    "frozen": not mp.trainable} for mp in store.params],
+                    "frozen": not mp.trainable} for mp in store.params if mp.trainable or not exclude_frozen],
         "hf_config": hf_config(engine.module),
         "aliases": aliases(engine.module),
         "extras": [{"name": k, "shape": list(v.shape), "dtype": name_of(v.dtype)}
@@ -154,6 +155,7 @@ def manifest(engine, tag: str, client_state) -> dict:
                    "fp16": bool(engine.config.fp16.enabled), "lr_scheduler": scheduler_state(engine.lr_scheduler)},
         **client_state_entries(client_state),
         "config": json.loads(json.dumps(dataclasses.asdict(engine.config), default=str)),
+        **excluded,
     }
 
 
@@ -191,7 +193,8 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save(engine, directory, tag: str | None = None, client_state=None, *, save_latest: bool = True) -> str:
+def save(engine, directory, tag: str | None = None, client_state=None, *, save_latest: bool = True,
+         exclude_frozen: bool = False) -> str:
     """See Engine.save_checkpoint."""
     comm, store, opt = engine.comm, engine.store, engine.optimizer
     rank = comm.rank
@@ -205,7 +208,7 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
                            "engine.step()")
     directory = os.path.abspath(os.fspath(directory))
     tag = check_tag(default_tag(engine.global_steps) if tag is None else tag)
-    meta = manifest(engine, tag, client_state)
+    meta = manifest(engine, tag, client_state, exclude_frozen=exclude_frozen)
     meta_crc = crc_of(meta)
     partial = partial_dir(directory, tag)
     final = os.path.join(directory, tag)
@@ -233,6 +236,8 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
     # files on a thread of rank 0 while the chunk writes run.
     metadata = {state: group_meta() for state in STATES + ("extra", "ranks")}
     for mp in store.params:
+        if exclude_frozen and not mp.trainable:
+            continue
         for state in states_of(mp):
             metadata[os.path.join(state, mp.name)] = array_meta(mp.numel, mp.part, attributes={"shape": list(mp.shape)})
     for name, t in extra_tensors(engine.module).items():
@@ -267,7 +272,8 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
                 return lambda: w.wait_upto(mark)
 
             opt.export_state(use)
-            write_frozen(store, w, partial)
+            if not exclude_frozen:
+                write_frozen(store, w, partial)
             if rank == 0:
                 for name, t in extra_tensors(engine.module).items():
                     if t.numel():

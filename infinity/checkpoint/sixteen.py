@@ -1,4 +1,5 @@
-"""save_16bit_model: the consolidated weights in the compute dtype, gathered one parameter at a time.
+"""save_16bit_model and the consolidated 16-bit state dict: the model's weights in the compute dtype, gathered one
+parameter at a time.
 
 Rank 0 streams them into a safetensors file as they are gathered (header
 first: every shape and dtype is known up front), so memory stays at one
@@ -24,6 +25,39 @@ from infinity.engine.zero_init import gathered_parameters
 from infinity.swap.tier import HOST
 
 
+def _entries(engine, exclude_frozen: bool) -> dict:
+    """The module's state_dict entries (parameters as Parameters), less frozen parameters when asked."""
+    state = engine.module.state_dict(keep_vars=True)
+    return {key: t for key, t in state.items()
+            if not (exclude_frozen and isinstance(t, torch.nn.Parameter) and not t.requires_grad)}
+
+
+def _gathered(engine, entries: dict):
+    """(key, tensor) for each entry, gathered one at a time: on rank 0 its value on the host in the compute dtype,
+    elsewhere None. Every rank must iterate to the end (each gather is a collective)."""
+    dtype = engine.store.dtype
+    for key, t in entries.items():
+        ctx = gathered_parameters(t) if managed(t) is not None else contextlib.nullcontext()
+        with ctx:
+            yield key, (t.detach().to(HOST, dtype if t.is_floating_point() else t.dtype) if engine.rank == 0
+                        else None)
+
+
+def consolidated_state_dict(engine, *, exclude_frozen: bool = False) -> dict:
+    """The full state_dict in the compute dtype on rank 0 (an empty dict elsewhere), gathered one parameter at a
+    time, as DeepSpeed's engine._zero3_consolidated_16bit_state_dict gives it. Call it on every rank. It holds the
+    whole model in rank 0's host memory; save_16bit_model streams to a file instead."""
+    entries = _entries(engine, exclude_frozen)
+    first: dict = {}  # tied weights (one tensor under several keys) are gathered and kept once
+    unique = {}
+    for key, t in entries.items():
+        if id(t) not in first:
+            first[id(t)] = key
+            unique[key] = t
+    kept = {key: value.clone() for key, value in _gathered(engine, unique) if value is not None}
+    return {key: kept[first[id(t)]] for key, t in entries.items()} if engine.rank == 0 else {}
+
+
 def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = False) -> bool:
     cfg = engine.config
     if cfg.zero_optimization.stage == 3 and not cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save:
@@ -32,12 +66,8 @@ def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = F
                   "stage3_gather_16bit_weights_on_model_save is false (DeepSpeed saves nothing then either)")
         return False
     dtype = engine.store.dtype
-    state = engine.module.state_dict(keep_vars=True)
-    names = []
-    for key, t in state.items():
-        if exclude_frozen and isinstance(t, torch.nn.Parameter) and not t.requires_grad:
-            continue
-        names.append(key)
+    state = _entries(engine, exclude_frozen)
+    names = list(state)
     out_dir = os.path.abspath(os.fspath(save_dir))
     if engine.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
@@ -62,16 +92,13 @@ def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = F
                 f.write(text)
             except Exception as exc:  # noqa: BLE001 - every rank raises it below, after the gathers
                 err = exc
-        for key in names:  # every rank joins every gather, whatever rank 0's file does
-            t = state[key]
-            ctx = gathered_parameters(t) if managed(t) is not None else contextlib.nullcontext()
-            with ctx:
-                if f is not None and err is None:
-                    try:
-                        value = t.detach().to(HOST, dtype if t.is_floating_point() else t.dtype).contiguous()
-                        f.write(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
-                    except Exception as exc:  # noqa: BLE001
-                        err = exc
+        for _, value in _gathered(engine, state):  # every rank joins every gather, whatever rank 0's file does
+            if f is not None and err is None:
+                try:
+                    value = value.contiguous()
+                    f.write(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+                except Exception as exc:  # noqa: BLE001
+                    err = exc
         if f is not None and err is None:
             try:
                 f.flush()

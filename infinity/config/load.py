@@ -39,6 +39,7 @@ def load_config(source, *, nvme_path: str | os.PathLike | None = None) -> Config
     cfg = dataclasses.replace(cfg, ignored=tuple(notes.ignored), auto=tuple(notes.auto),
                               optimizer_given="optimizer" in raw)
     cfg = _legacy(cfg)
+    cfg = _partial_offload(cfg, notes)
     _check_semantics(cfg)
     _check_paths(cfg)
     if notes.ignored:
@@ -269,6 +270,19 @@ def _betas(value, where: str) -> tuple:
 
 # --------------------------------------------------------------- semantics
 
+def _partial_offload(cfg: Config, notes: _Notes) -> Config:
+    """offload_optimizer.ratio < 1 acts, as in DeepSpeed 0.19, only at stage 3 with device cpu (see [Note: partial
+    offload] in engine/optimizer.py); anywhere else it is reported as having no effect, and read as 1."""
+    zero = cfg.zero_optimization
+    off = zero.offload_optimizer
+    if off.ratio >= 1.0 or (zero.stage == 3 and off.device == "cpu"):
+        return cfg
+    notes.ignored.append(f"zero_optimization.offload_optimizer.ratio (partial offload applies at stage 3 with device "
+                         f"cpu, as in DeepSpeed; here stage is {zero.stage} and device {off.device!r})")
+    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(
+        zero, offload_optimizer=dataclasses.replace(off, ratio=1.0)))
+
+
 def _check_semantics(cfg: Config) -> None:
     zero = cfg.zero_optimization
     if cfg.fp16.enabled and cfg.bf16.enabled:
@@ -287,10 +301,6 @@ def _check_semantics(cfg: Config) -> None:
                               'is required when device is "nvme"; point it at a directory on a fast disk')
     if cfg.optimizer.params.amsgrad:
         raise ConfigError("optimizer.params.amsgrad", "amsgrad is not supported; set it to false or remove it")
-    if zero.offload_optimizer.ratio < 1.0 and zero.offload_optimizer.device == "none":
-        raise ConfigError("zero_optimization.offload_optimizer.ratio",
-                          f"{zero.offload_optimizer.ratio} offloads part of the optimizer state, but "
-                          'offload_optimizer.device is "none"; set device to "cpu" or "nvme", or remove ratio')
     tb, mb, acc = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps or 1
     if tb is not None and mb is not None and tb % (mb * acc) != 0:
         raise ConfigError("train_batch_size",

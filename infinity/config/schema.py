@@ -59,8 +59,8 @@ class OffloadOptimizerConfig:
     fast_init: bool = spec(False)
     """DeepSpeed: skip writing initial state through the swapper (accepted; state is always written)."""
     ratio: float = spec(1.0, low=0.0, high=1.0)
-    """Fraction of the optimizer state to offload (DeepSpeed's Twin-Flow): sub-groups are offloaded in order up to
-    this fraction of the elements; the rest stay on the compute device and are stepped there."""
+    """Fraction of the optimizer's sub-groups to offload (DeepSpeed's Twin-Flow; stage 3 with device cpu): the first
+    int(ratio x count) sub-groups go to the CPU, the rest stay on the compute device and are stepped there."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,7 +181,8 @@ class InfinityConfig:
     """Host-memory budget in bytes (or "8GiB"); the planner sizes the pools to fit it."""
     trace_path: str | None = spec(None, kind="str")
     """At engine close, write a Chrome-trace JSON here: forward, backward, each optimizer step, and each sub-group's
-    read, Adam and write (`.rank<R>` appended with several ranks). Parameter fetches are not in it."""
+    read, Adam and write (`.rank<R>` appended with several ranks). Parameter fetches are not in it. The first
+    500,000 spans are kept (about 50 MB); a run that ends without close() writes none."""
     leftovers: str = spec("clear", choices=("clear", "reuse", "error"))
     """What to do with swap files left by a crashed run."""
     step_during_backward: bool = spec(True)

@@ -320,14 +320,14 @@ class Engine:
 
         client_state is any picklable object (DeepSpeed's rule); it is kept as JSON when that round-trips
         exactly, else pickled, and load_checkpoint unpickles it as torch.load(weights_only=False) would: load
-        only checkpoints you trust. Returns the checkpoint's path."""
+        only checkpoints you trust. exclude_frozen_parameters leaves the frozen (requires_grad=False) weights
+        out, as DeepSpeed's does for PEFT: a load keeps the model's own values for them, so build the model
+        from the same base weights before loading. Returns the checkpoint's path."""
         self._check_open()
-        if exclude_frozen_parameters:
-            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: a checkpoint holds "
-                             "the frozen weights too, so that it resumes whatever the model was built from")
         from infinity.checkpoint.save import save
 
-        return save(self, save_dir, tag, client_state, save_latest=save_latest)
+        return save(self, save_dir, tag, client_state, save_latest=save_latest,
+                    exclude_frozen=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -339,20 +339,28 @@ class Engine:
         count start from zero; the engine's step counters, lr, loss scaler and RNG keep their current values.
         load_optimizer_states=False loads the weights and everything else but Adam's moments, which start from
         zero. load_lr_scheduler_states=False keeps the engine's lr scheduler as it is. load_module_strict=False
-        and custom_load_fn are refused (not supported). verify=False skips the checksum pass of
-        [Note: verify before load]: faster, but corrupted bytes then go undetected.
+        allows names on one side only, as torch's load_state_dict(strict=False): the model's parameters and
+        buffers the checkpoint lacks keep their current values (and Adam moments, which then continue under the
+        checkpoint's step count), and the checkpoint's extra ones are ignored; shapes must still match. custom_load_fn is refused (not supported). verify=False skips the
+        checksum pass of [Note: verify before load]: faster, but corrupted bytes then go undetected.
+
+        With no tag and no load_dir/latest file, it warns and returns (None, None), as DeepSpeed's does, so a
+        script's first run starts from scratch; every other unusable checkpoint raises CheckpointError.
         """
         self._check_open()
-        if not load_module_strict:
-            raise ValueError("load_checkpoint(load_module_strict=False) is not supported: every parameter of the "
-                             "model must be in the checkpoint, and the error names those that are not")
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...) is not supported; load the state yourself inside "
                              "infinity.gathered_parameters(..., modifier_rank=0) before initialize")
-        from infinity.checkpoint.load import load
+        from infinity.checkpoint.load import NoLatest, load
 
-        return load(self, load_dir, tag, verify=verify, module_only=load_module_only,
-                    lr_scheduler=load_lr_scheduler_states, optimizer_states=load_optimizer_states)
+        try:
+            return load(self, load_dir, tag, verify=verify, module_only=load_module_only,
+                        lr_scheduler=load_lr_scheduler_states, optimizer_states=load_optimizer_states,
+                        strict=load_module_strict)
+        except NoLatest as exc:
+            warnings.warn(f"infinity: load_checkpoint found nothing to load, so the engine is unchanged: {exc}",
+                          stacklevel=2)
+            return None, None
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -364,6 +372,22 @@ class Engine:
         from infinity.checkpoint.sixteen import save_16bit
 
         return save_16bit(self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
+
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The whole state_dict in the compute dtype, on the host: on rank 0, and an empty dict on the others
+        (DeepSpeed's engine._zero3_consolidated_16bit_state_dict, which Hugging Face Accelerate calls).
+        Gathered one parameter at a time; call it on every rank. Rank 0 holds the whole model in host memory
+        while the dict lives: save_16bit_model streams to a file instead."""
+        self._check_open()
+        from infinity.checkpoint.sixteen import consolidated_state_dict
+
+        return consolidated_state_dict(self, exclude_frozen=exclude_frozen_parameters)
+
+    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict  # the name DeepSpeed's callers use
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """zero_optimization.stage3_gather_16bit_weights_on_model_save, as DeepSpeed's engine reports it."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
     # ------------------------------------------------- for checkpoint code
 
@@ -518,7 +542,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
         if managed(p) is None:
-            if id(p) in trained:
+            if id(p) in trained or p.is_floating_point():  # frozen ones too: partitioned, in the compute dtype
                 store.adopt(p, name)
         else:
             managed(p).name = name
@@ -566,7 +590,7 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
     if store.tier is Tier.NVME:
         compute = torch.empty((), dtype=store.dtype).element_size()
         for k, p in params.items():
-            if managed(p) is None and k in trained:
+            if managed(p) is None and (k in trained or p.is_floating_point()):
                 param_bytes += 4 * part[k]  # adopted now, in fp32
             if compute != 4:
                 param_bytes += compute * part[k]  # the compute-dtype copy written after each step (or frozen)

@@ -13,7 +13,7 @@ import abc
 
 import torch
 
-from infinity.swap.tier import Tier
+from infinity.swap.tier import HOST, Tier
 
 
 class ShardHome(abc.ABC):
@@ -128,7 +128,9 @@ class NvmeHome(ShardHome):
         if mp.swap_dtype != dtype:
             self.swapper.remove(self.swap_id(mp))
             mp.swap_dtype = dtype
-        return self.swapper.swap_out(self.swap_id(mp), values.to(dtype))
+        # From an accelerator (a device-tier optimizer group's master) through host memory: swap files are
+        # written from the host.
+        return self.swapper.swap_out(self.swap_id(mp), values.to(HOST, dtype).contiguous())
 
     def forget(self, mp) -> None:
         if not mp.unwritten:

@@ -14,10 +14,11 @@ straight to the parameter store (`publish`), in the compute dtype the
 kernel wrote in the same pass.
 
 [Note: partial offload]
-`offload_optimizer.ratio` (DeepSpeed's Twin-Flow) offloads that fraction of
-the optimizer state and keeps the rest on the compute device: sub-groups are
-offloaded in order while the offloaded elements stay within ratio x the
-total, and the remaining groups get device states, stepped where they live.
+`offload_optimizer.ratio` (DeepSpeed's Twin-Flow, stage 3 with device cpu;
+the config loader reports it as inert anywhere else) offloads part of the
+optimizer state and keeps the rest on the compute device: as in DeepSpeed
+0.19, sub-group i is offloaded when i < int(ratio x the number of
+sub-groups), and the others get device states, stepped where they live.
 ratio 1 (the default) offloads every group, ratio 0 none.
 
 [Note: stepping during backward]
@@ -157,13 +158,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _tiers(self, ratio: float) -> list[Tier]:
         """Each sub-group's tier (see [Note: partial offload])."""
-        total = sum(g.numel for g in self.groups)
-        out, offloaded = [], 0
-        for g in self.groups:
-            fits = offloaded + g.numel <= ratio * total
-            out.append(self.tier if fits else Tier.DEVICE)
-            offloaded += g.numel if fits else 0
-        return out
+        offloaded = int(ratio * len(self.groups))
+        return [self.tier if i < offloaded else Tier.DEVICE for i in range(len(self.groups))]
 
     def _new_state(self, g: _Group, tier: Tier) -> GroupState:
         make = {Tier.DEVICE: lambda: DeviceState(g.numel, self.store.device, slices=g.slices()),
@@ -372,11 +368,13 @@ class ShardedAdam(torch.optim.Optimizer):
         StatePipeline(Mode.READ).over(self._states(),
                                       lambda i, views: self.groups[i].state.export(self.groups[i], views, use))
 
-    def import_state(self, fill, *, refresh: bool = True) -> None:
+    def import_state(self, fill, *, refresh: bool = True, keep_unfilled: bool = False) -> None:
         """Replace every group's state: fill(group, param, exp_avg, exp_avg_sq) writes CPU fp32 views of it.
 
-        `fill` must have finished every read into the views when it returns
-        or raises. Then the parameter store gets the new weights (in the
+        With `keep_unfilled` the views start as the current state (it is read
+        first: the pipeline's UPDATE instead of FILL), so what `fill` leaves
+        alone stays, as a non-strict checkpoint load needs. `fill` must have
+        finished every read into the views when it returns or raises. Then the parameter store gets the new weights (in the
         compute dtype), and with `refresh`, persistent parameters are
         re-gathered (a collective: load_checkpoint does it once every rank
         has loaded). An error part-way leaves a mix of old and new groups:
@@ -392,7 +390,7 @@ class ShardedAdam(torch.optim.Optimizer):
             g.state.import_(g, views, fill)
             self._publish(g, views.param)
 
-        StatePipeline(Mode.FILL).over(self._states(), load)
+        StatePipeline(Mode.UPDATE if keep_unfilled else Mode.FILL).over(self._states(), load)
         self.store.flush()
         if refresh:
             self.store.refresh_persistent()

@@ -143,8 +143,9 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None, *, s
     """Full parameters inside the block. With modifier_rank=r, rank r's changes are kept (on every rank).
 
     Changing parameters is allowed until `infinity.initialize` has built the
-    optimizer; after that the master weights are the optimizer's, and a
-    modification raises instead of being silently lost.
+    optimizer; after that the master weights of trained parameters are the
+    optimizer's, and a modification of one raises instead of being silently
+    lost. Frozen parameters have no master weights and may change at any time.
     """
     if isinstance(params_or_module, torch.nn.Module):
         params = list(params_or_module.parameters())
@@ -165,10 +166,12 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None, *, s
     st = store or mps[0].store or current_store()
     if st is None:
         raise RuntimeError("infinity.gathered_parameters: these parameters belong to no live store")
-    if modifier_rank is not None and st.frozen:
-        raise RuntimeError("infinity.gathered_parameters: modifier_rank is set, but initialize() already built the "
-                           "optimizer, whose fp32 master weights would not see the change; modify parameters "
-                           "inside zero_init, or before initialize()")
+    trained = [mp.name for mp in mps if mp.trainable]
+    if modifier_rank is not None and st.frozen and trained:
+        raise RuntimeError(f"infinity.gathered_parameters: modifier_rank is set, but initialize() already built the "
+                           f"optimizer, whose fp32 master weights of {trained[:3]} would not see the change; modify "
+                           "trained parameters inside zero_init, or before initialize() (frozen ones may change "
+                           "at any time)")
     st.adopt_reassigned(mps)
     for mp in mps:
         st.use(mp, scheduled=False)

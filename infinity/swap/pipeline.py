@@ -22,6 +22,11 @@ READ) and written back (UPDATE, FILL). So one object does the walking:
 - On any error every read and write in flight is finished, every buffer
   goes back, and the first error is raised: states already written hold the
   new values, the others the old (the file is rewritten only by a write).
+  The exception is a failed write: its group keeps its buffer and its new
+  bytes (IN_CPU, dirty; see [Note: residency transitions]). So before a read
+  that could wait for a buffer, the walk waits on its own oldest write
+  instead, and a failed one raises rather than leaving the read waiting for
+  a buffer that will never come back.
 The step during backward drives the same object one group at a time, as
 gradients become final (`ahead` on the first gradient, `run` on the last).
 RAM tiers go through the same calls, which cost them nothing.
@@ -79,12 +84,13 @@ class StatePipeline:
         if self.mode is Mode.READ:
             while self._buffers_held() > 1 or (self._buffers_held() and not state.ready()):
                 self._retire()
+        t0 = time.perf_counter()
         if self.mode is not Mode.FILL and not state.ready():
+            self._make_room(state)
             state.fetch()  # the critical path: may wait for a buffer
             self._ahead.append(state)
         if then is not None:
             self.ahead(then)
-        t0 = time.perf_counter()
         try:
             views = state.open(blank=self.mode is Mode.FILL)
         finally:
@@ -155,6 +161,20 @@ class StatePipeline:
             self.finish()
         except BaseException:  # noqa: BLE001
             pass
+
+    def _make_room(self, state: GroupState) -> None:
+        """Before a read that may wait for a buffer: start it now if one is free; else wait for this walk's oldest
+        write, which either lands (and its buffer comes back) or raises. A failed write keeps its buffer (its
+        bytes are newer than the file), so blocking on the pool instead could wait for ever."""
+        while True:
+            for _, fut in self._writes:
+                if fut.done():
+                    fut.wait()  # raises a failed write's error; a landed one returns at once
+            state.prefetch()
+            pending = [fut for _, fut in self._writes if not fut.done()]
+            if state.ready() or not pending:
+                return
+            pending[0].wait()
 
     def _buffers_held(self) -> int:
         return sum(1 for state, _ in self._held if state.io_bytes)

@@ -10,7 +10,8 @@ each class below answers the same verbs for its tier.
 - `adam()`      step it in place (CPU Adam, or torch ops on an accelerator);
 - `close()`     done with the views: write them back, or drop them;
 - `export()` / `import_()`  hand host fp32 views to a checkpoint writer / reader;
-- `abandon()`   after a failure: let in-flight I/O finish and give every buffer back.
+- `abandon()`   after a failure: let in-flight I/O finish and give back every buffer it may (a group
+  whose write failed keeps its buffer and its newer bytes).
 
 `StatePipeline` (pipeline.py) drives these verbs for the step, the
 checkpoint export and the import alike (see [Note: one pipeline]).
@@ -83,7 +84,8 @@ class GroupState(abc.ABC):
         return None
 
     def abandon(self) -> None:
-        """After a failure anywhere: finish in-flight I/O quietly and hold no buffer. Never raises."""
+        """After a failure anywhere: finish in-flight I/O quietly and hold no buffer, except a group whose write
+        failed, which keeps its newer bytes. Never raises."""
 
     def adam(self, views: AdamViews, grad: torch.Tensor, out_lowp: torch.Tensor | None, hyper: dict) -> bool:
         """One Adam step in place. Returns whether `out_lowp` got the new weights in the compute dtype
@@ -154,7 +156,8 @@ class DeviceState(HostState):
         if self._on_host():
             return super().import_(owner, views, fill)
         for sub, lo, hi in self.slices:
-            tmp = torch.empty(3, hi - lo, dtype=torch.float32)
+            # From the current values: what fill leaves alone (a non-strict load) must stay as it is.
+            tmp = torch.stack([t[lo:hi] for t in (views.param, views.exp_avg, views.exp_avg_sq)]).to(HOST)
             fill(sub, tmp[0], tmp[1], tmp[2])
             for dst, src in zip((views.param, views.exp_avg, views.exp_avg_sq), tmp):
                 dst[lo:hi].copy_(src)

@@ -30,8 +30,14 @@ class Trace:
 
     spans: list = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
+    limit: int = 500_000
+    """Spans kept (about 100 B each): a long run keeps its first ones and counts the rest in `dropped`."""
+    dropped: int = 0
 
     def add(self, name: str, cat: str, start: float, end: float, track: int = 0) -> None:
+        if len(self.spans) >= self.limit:
+            self.dropped += 1
+            return
         self.spans.append((name, cat, start, end, track))
 
     def export(self, path: str | os.PathLike) -> None:
@@ -39,5 +45,6 @@ class Trace:
                    "pid": os.getpid(), "tid": track} for n, c, s, e, track in self.spans]
         tmp = f"{os.fspath(path)}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                       "otherData": {"spans_dropped_past_limit": self.dropped}}, f)
         os.replace(tmp, path)

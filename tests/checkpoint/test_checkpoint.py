@@ -138,22 +138,25 @@ class WithBuffers(torch.nn.Module):
 
 
 def test_buffers_and_frozen_parameters_round_trip(disk_dir):
-    from infinity.engine import initialize
+    from infinity.engine import gathered_parameters, initialize
 
     cfg = config("cpu", "fp32", disk_dir)
     e = initialize(WithBuffers(), cfg)
     try:
         e.module.scale.fill_(3.0)
         e.module.steps_seen.fill_(7.0)
-        e.module.frozen.data.fill_(5.0)
+        with gathered_parameters(e.module.frozen, modifier_rank=0):  # frozen: partitioned, and may change any time
+            e.module.frozen.data.fill_(5.0)
         e.save_checkpoint(disk_dir / "ck")
         e.module.scale.zero_()
         e.module.steps_seen.zero_()
-        e.module.frozen.data.zero_()
+        with gathered_parameters(e.module.frozen, modifier_rank=0):
+            e.module.frozen.data.zero_()
         e.load_checkpoint(disk_dir / "ck")
         assert torch.equal(e.module.scale, torch.full((3,), 3.0))
         assert e.module.steps_seen.item() == 7.0 and e.module.steps_seen.dtype == torch.bfloat16
-        assert torch.equal(e.module.frozen.data, torch.full((4,), 5.0))
+        with gathered_parameters(e.module.frozen):
+            assert torch.equal(e.module.frozen.data, torch.full((4,), 5.0))
     finally:
         e.close()
 
@@ -300,3 +303,125 @@ def test_parameters_smaller_than_the_world_reshard(disk_dir):
     back = spawn_train(2, cfg, 0, str(disk_dir / "back.pt"), start=3, load=str(disk_dir / "w1"), net="tiny")
     again = train(cfg, 0, start=3, load=str(disk_dir / "w1"), net="tiny")
     assert_same_weights(back["weights"], again["weights"])
+
+
+def _with_head():
+    """The GPT plus a new head: a fine-tuning model loaded from a checkpoint of the GPT alone."""
+    from infinity.models import GPT
+    from infinity.testing.parity import MODEL
+
+    model = GPT(MODEL)
+    model.head = torch.nn.Linear(4, 4)
+    return model
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_non_strict_load_keeps_what_the_checkpoint_lacks(disk_dir, tier):
+    """load_module_strict=False (torch's strict=False): parameters on one side only are allowed; the model's
+    extra head keeps its weights and Adam state, the rest is the checkpoint's, bit for bit."""
+    from infinity.checkpoint.layout import CheckpointError
+    from infinity.engine import gathered_parameters, initialize
+    from infinity.models import GPT
+    from infinity.testing.parity import MODEL, batch
+
+    cfg = config(tier, "fp32", disk_dir)
+    torch.manual_seed(0)
+    src = initialize(GPT(MODEL), cfg)
+    try:
+        x, y = batch(0)
+        src.backward(src(x, y))
+        src.step()
+        src.save_checkpoint(disk_dir / "ck")
+        with gathered_parameters(src.module):
+            saved = {k: v.clone() for k, v in src.module.state_dict().items()}
+    finally:
+        src.close()
+    def head_state(e):
+        """The head weight's [param, exp_avg, exp_avg_sq] shard, from the optimizer."""
+        out = []
+
+        def use(g, p, m, v):
+            for mp, off in zip(g.params, g.offsets):
+                if mp.name == "head.weight":
+                    out.extend(t[off:off + mp.part].clone() for t in (p, m, v))
+            return lambda: None
+
+        e.optimizer.export_state(use)
+        return out
+
+    torch.manual_seed(1)
+    dst = initialize(_with_head(), cfg)
+    try:
+        x, y = batch(3)
+        dst.backward(dst(x, y) + dst.module.head.weight.sum())  # the head gets a gradient and Adam state
+        dst.step()
+        with gathered_parameters(dst.module.head):
+            head = dst.module.head.weight.clone()
+        before = head_state(dst)
+        assert before[1].abs().sum() > 0
+        with pytest.raises(CheckpointError, match="parameter head.weight is not in the checkpoint"):
+            dst.load_checkpoint(disk_dir / "ck")
+        with pytest.warns(UserWarning, match=r"2 parameters of the model are not in it and keep their values "
+                                             r"\(\['head.bias', 'head.weight'\]\), 0 of its parameters"):
+            path, _ = dst.load_checkpoint(disk_dir / "ck", load_module_strict=False)
+        assert path.endswith("global_step1") and dst.global_steps == 1 and dst.optimizer.step_count == 1
+        with gathered_parameters(dst.module):
+            assert torch.equal(dst.module.head.weight, head), "the head keeps its weights"
+            now = dst.module.state_dict()
+            for k, v in saved.items():
+                assert torch.equal(now[k], v), k
+        assert all(torch.equal(a, b) for a, b in zip(head_state(dst), before)), "and its master weights and moments"
+        x, y = batch(1)
+        dst.backward(dst(x, y))
+        dst.step()  # and trains on from there
+    finally:
+        dst.close()
+
+
+def test_a_checkpoint_without_the_frozen_weights_loads_into_the_base_model(disk_dir, capsys):
+    """save_checkpoint(exclude_frozen_parameters=True), DeepSpeed's PEFT option: the frozen weights are not written;
+    a load into a model built from the same base keeps them; a model that trains one of them is refused."""
+    from infinity.checkpoint.layout import CheckpointError
+    from infinity.engine import gathered_parameters, initialize
+    from infinity.models import GPT
+    from infinity.testing.parity import MODEL, batch
+
+    def build(trainable_head: bool = False):
+        torch.manual_seed(0)
+        model = GPT(MODEL)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith("blocks.1.") or (trainable_head and name == "ln_f.weight"))
+        return model
+
+    cfg = config("nvme", "fp32", disk_dir)
+    src = initialize(build(), cfg)
+    try:
+        x, y = batch(0)
+        src.backward(src(x, y))
+        src.step()
+        path = src.save_checkpoint(disk_dir / "ck", exclude_frozen_parameters=True)
+        with gathered_parameters(src.module):
+            saved = {k: v.clone() for k, v in src.module.state_dict().items()}
+    finally:
+        src.close()
+    assert not os.path.exists(os.path.join(path, "master", "ln_f.weight")), "frozen weights are not written"
+    assert os.path.exists(os.path.join(path, "master", "blocks.1.fc.weight"))
+    dst = initialize(build(), cfg)
+    try:
+        with gathered_parameters(dst.module.ln_f.bias, modifier_rank=0):
+            dst.module.ln_f.bias.data.fill_(0.25)  # a frozen weight of the loading model's own
+        saved["ln_f.bias"] = torch.full_like(saved["ln_f.bias"], 0.25)
+        dst.load_checkpoint(disk_dir / "ck")
+        with gathered_parameters(dst.module):
+            now = dst.module.state_dict()
+            assert all(torch.equal(now[k], v) for k, v in saved.items()), "trained from the file, frozen kept"
+    finally:
+        dst.close()
+    other = initialize(build(trainable_head=True), cfg)
+    try:
+        with pytest.raises(CheckpointError, match="parameter ln_f.weight was frozen and left out when saved"):
+            other.load_checkpoint(disk_dir / "ck")
+    finally:
+        other.close()
+    assert main(["checkpoint", "export", str(disk_dir / "ck"), str(disk_dir / "w.safetensors")]) == 0
+    assert "frozen parameters were left out when it was saved" in capsys.readouterr().out

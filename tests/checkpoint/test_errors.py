@@ -67,11 +67,15 @@ def _files(root) -> dict:
 def test_missing_checkpoint(saved, tmp_path):
     e, ck = saved
     snap = _snapshot(e)
+    # No tag and nothing to load: DeepSpeed's (None, None), said once, so a script's first run starts fresh.
+    with pytest.warns(UserWarning, match="found nothing to load, so the engine is unchanged: no checkpoint at .*"
+                                         "nowhere: no such directory"):
+        assert e.load_checkpoint(tmp_path / "nowhere") == (None, None)
     with pytest.raises(CheckpointError, match="no such directory"):
-        e.load_checkpoint(tmp_path / "nowhere")
+        e.load_checkpoint(tmp_path / "nowhere", "global_step1")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="has no 'latest' file"):
-        e.load_checkpoint(tmp_path / "empty")
+    with pytest.warns(UserWarning, match="has no 'latest' file"):
+        assert e.load_checkpoint(tmp_path / "empty") == (None, None)
     with pytest.raises(CheckpointError, match=r"'global_step9' not found .* complete checkpoints there: \['global_step1'\]"):
         e.load_checkpoint(ck, "global_step9")
     with pytest.raises(ValueError, match="tag '../x' is not usable"):
@@ -314,6 +318,9 @@ def _rewrite_manifest(root, change):
     (lambda m: m.update(complete=False), "is partial: its manifest is not marked complete"),
     (lambda m: m["engine"].pop("global_steps"), "is corrupted: its manifest's engine state is unusable"),
     (lambda m: m["engine"]["loss_scaler"].update(bogus=1), r"unknown loss scaler fields \['bogus'\]"),
+    (lambda m: m["params"][2].update(part=0), r"its manifest's params\[2\]\.part is unusable \(0 is below 1\)"),
+    (lambda m: m["params"][0].pop("shape"), r"its manifest's params\[0\]\.shape is unusable \(missing\)"),
+    (lambda m: m.update(world_size="2"), r"its manifest's world_size is unusable \(str where int was expected\)"),
 ])
 def test_manifests_that_cannot_be_used(saved, change, pattern):
     e, ck = saved

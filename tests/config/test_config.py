@@ -132,9 +132,6 @@ BAD = [
                                                                                      "nvme_path": "/x"}}},
      'zero_optimization.cpu_offload: is true (optimizer state on the CPU) but offload_optimizer.device is "nvme"; '
      "keep one of them"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "ratio": 0.3}}},
-     'zero_optimization.offload_optimizer.ratio: 0.3 offloads part of the optimizer state, but '
-     'offload_optimizer.device is "none"; set device to "cpu" or "nvme", or remove ratio'),
     ({"amp": {"enabled": True}}, "amp: NVIDIA apex AMP is not supported; use bf16 or fp16"),
     ({"zero_optimization": {"zero_quantized_weights": True}},
      "zero_optimization.zero_quantized_weights: quantized weight gathers are not supported; remove it"),

@@ -276,3 +276,47 @@ def test_save_16bit_model_needs_the_gather_flag_at_stage_3(tmp_path):
         assert engine.save_16bit_model(tmp_path, "m.bin") is False and not (tmp_path / "m.bin").exists()
     finally:
         engine.close()
+
+
+def test_the_consolidated_16bit_state_dict_is_the_trained_model_in_the_compute_dtype(tmp_path):
+    """engine._zero3_consolidated_16bit_state_dict() (what Hugging Face Accelerate calls on a DeepSpeed engine):
+    every key of the model's state_dict, gathered, in bf16, equal to the weights the engine trains."""
+    torch.manual_seed(0)
+    cfg = dict(BASE, bf16={"enabled": True},
+               zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}})
+    model = Tiny()
+    model.b.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.a.parameters(), config=cfg)
+    try:
+        engine.backward(engine(torch.ones(2, 4)))
+        engine.step()
+        assert engine.zero_gather_16bit_weights_on_model_save() is False
+        sd = engine._zero3_consolidated_16bit_state_dict()
+        assert list(sd) == ["a.weight", "a.bias", "b.weight", "b.bias"]
+        assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in sd.values())
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            for name, p in engine.module.named_parameters():
+                assert torch.equal(sd[name], p.detach().to(torch.bfloat16)), name
+        assert list(engine.consolidated_16bit_state_dict(exclude_frozen_parameters=True)) == ["a.weight", "a.bias"]
+        assert torch.isnan(engine.module.a.weight).all(), "the parameters are partitioned again afterwards"
+    finally:
+        engine.close()
+
+
+def test_after_initialize_only_frozen_parameters_may_be_modified_in_a_gather():
+    model = Tiny()
+    model.b.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.a.parameters(), config=BASE)
+    try:
+        with pytest.raises(RuntimeError, match=r"fp32 master weights of \['a.weight', 'a.bias'\] would not see the "
+                                               r"change; modify trained parameters inside zero_init"):
+            with deepspeed.zero.GatheredParameters(list(engine.module.a.parameters()), modifier_rank=0):
+                pass
+        with deepspeed.zero.GatheredParameters(engine.module.b.weight, modifier_rank=0):
+            engine.module.b.weight.data.fill_(2.0)
+        with deepspeed.zero.GatheredParameters(engine.module.b.weight):
+            assert torch.equal(engine.module.b.weight, torch.full((1, 8), 2.0)), "the frozen weight was changed"
+    finally:
+        engine.close()

@@ -1,6 +1,7 @@
 """StatePipeline over GroupStates: the one read-ahead / work / write-behind walk (see [Note: one pipeline])."""
 
 import pytest
+import torch
 
 from infinity.swap import BufferPool, Residency, TensorSwapper
 from infinity.swap.pipeline import Mode, StatePipeline
@@ -68,7 +69,11 @@ def test_read_keeps_a_buffer_until_its_consumer_is_done(tmp_path, count):
             # this group's, and none when the pool has a single buffer.
             held = [k for k in range(i) if k not in done]
             assert len(held) <= (1 if count > 1 else 0), held
-            return lambda: done.add(i)
+
+            def wait():
+                assert sw.registry[states[i].id].residency is Residency.IN_CPU, "the buffer outlives the wait"
+                done.add(i)
+            return wait
 
         StatePipeline(Mode.READ).over(states, use)
         assert done == set(range(len(NUMELS))) and sw.pool.free_count == count
@@ -123,6 +128,42 @@ def test_a_read_ahead_leaves_the_reserved_buffer_free(tmp_path):
         assert sw.pool.free_count == 2 and all(s.at_rest() for s in states)
         assert [p[0].item() for p in _params(states)][:2] == [0.0, 7.0]
     finally:
+        sw.close()
+
+
+def test_a_failed_write_raises_instead_of_waiting_for_its_buffer(tmp_path):
+    """A failed write keeps its buffer (its bytes are newer than the file); with a pool of one, the next group's
+    read would wait for ever. The walk waits on the write instead and raises its error."""
+    import errno
+    import threading
+
+    class _Failed:
+        def wait(self, timeout=None):
+            raise OSError(errno.EIO, "write failed (injected)")
+
+    sw, states = _states(tmp_path, 1, numels=[1000, 1000])
+    try:
+        sw.aio.pwrite = lambda *args, **kwargs: _Failed()  # every write from here on fails
+        outcome = []
+
+        def step():
+            try:
+                StatePipeline(Mode.UPDATE).over(states, lambda i, v: v.param.add_(1))
+                outcome.append("returned")
+            except OSError as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=step, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the step hung waiting for a buffer a failed write holds"
+        assert isinstance(outcome[0], OSError) and outcome[0].errno == errno.EIO, outcome
+        part = sw.registry[states[0].id]
+        assert part.residency is Residency.IN_CPU and part.dirty, "the failed group keeps its new bytes"
+        assert part.buffer.view(torch.float32, 1000)[0].item() == 1.0
+        assert states[1].at_rest(), "the next group was never read"
+    finally:
+        sw.release(states[0].id, discard=True)
         sw.close()
 
 
