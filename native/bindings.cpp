@@ -188,6 +188,7 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "direct_alignment",
       [](const std::string& path) {
+        if (path.find('\0') != std::string::npos) throw ArgumentError("path contains a NUL byte");
         int64_t a = direct_alignment_of_path(path);
         if (a < 0) throw IoError(ErrorInfo{static_cast<int>(-a), path, -1, "statx failed"});
         return a;

@@ -104,6 +104,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.store = store
         self.comm = comm
         off = cfg.zero_optimization.offload_optimizer
+        self.pin = off.pin_memory and torch.cuda.is_available()  # page-locking means nothing without CUDA
         self.tier = Tier(off.device)
         """Where offloaded sub-groups live; with ratio < 1 the others stay on the device ([Note: partial offload])."""
         self.step_count = 0
@@ -112,7 +113,9 @@ class ShardedAdam(torch.optim.Optimizer):
         self.lowp = None
         if store.dtype != torch.float32:
             biggest = max((g.numel for g in self.groups), default=0)
-            self.lowp = torch.empty(biggest, dtype=store.dtype)
+            # What the CPU kernel writes the compute-dtype weights into, copied to the device from there.
+            self.lowp = torch.empty(biggest, dtype=store.dtype,
+                                    pin_memory=off.pin_memory and torch.cuda.is_available())
         self.swap = swap
         self._pipe: StatePipeline | None = None  # the step during backward's, between begin and end
         self.trace = None  # a telemetry.Trace (infinity.trace_path): the pipelines add their spans to it
@@ -163,7 +166,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _new_state(self, g: _Group, tier: Tier) -> GroupState:
         make = {Tier.DEVICE: lambda: DeviceState(g.numel, self.store.device, slices=g.slices()),
-                Tier.CPU: lambda: HostState(g.numel),
+                Tier.CPU: lambda: HostState(g.numel, pin=self.pin),
                 Tier.NVME: lambda: NvmeState(g.numel, self.swap.swapper, f"optim/g{g.index}")}
         return make[tier]()
 
@@ -225,7 +228,7 @@ class ShardedAdam(torch.optim.Optimizer):
         return mp.grad
 
     def _new_grad(self, g: _Group) -> None:
-        g.grad = torch.zeros(g.numel, dtype=torch.float32, device=g.state.device)
+        g.grad = torch.zeros(g.numel, dtype=torch.float32, device=g.state.device, pin_memory=g.state.pinned)
         for p, off in zip(g.params, g.offsets):
             p.grad = g.grad[off:off + p.part]
 

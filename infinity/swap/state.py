@@ -47,6 +47,8 @@ class GroupState(abc.ABC):
     """A sub-group's Adam state on one tier; see the module docstring for the verbs."""
 
     tier: Tier
+    pinned: bool = False
+    """Its gradient buffer is page-locked (HostState with offload_optimizer.pin_memory on CUDA)."""
 
     def __init__(self, numel: int):
         self.numel = numel
@@ -108,9 +110,14 @@ class HostState(GroupState):
 
     tier = Tier.CPU
 
-    def __init__(self, numel: int, device: torch.device | None = None):
+    def __init__(self, numel: int, device: torch.device | None = None, *, pin: bool = False):
         super().__init__(numel)
-        self.views = AdamViews(*(torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(3)))
+        self.pinned = pin
+        """offload_optimizer.pin_memory where CUDA is: the master weights (copied to the device after each step)
+        are page-locked, and so is the group's gradient buffer (filled from the device); the moments never
+        cross, so they are not."""
+        self.views = AdamViews(torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin),
+                               *(torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(2)))
 
     @property
     def device(self) -> torch.device:
@@ -132,7 +139,7 @@ class DeviceState(HostState):
     tier = Tier.DEVICE
 
     def __init__(self, numel: int, device: torch.device, *, slices=()):
-        super().__init__(numel, device)
+        super().__init__(numel, device, pin=False)
         self.slices = list(slices)
         """(owner, lo, hi) of each parameter's shard in the group: the checkpoint staging unit."""
 

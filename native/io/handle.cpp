@@ -395,6 +395,10 @@ std::shared_ptr<Request> Handle::submit(bool write, void* buf, size_t nbytes, co
   if (offset < 0)
     throw ArgumentError("offset must be >= 0, got " + std::to_string(offset) + " (path " + path + ")");
   if (path.empty()) throw ArgumentError("path must not be empty");
+  // open(2) reads a C string: a path with a NUL in it would silently name the file cut at the NUL.
+  if (path.find('\0') != std::string::npos)
+    throw ArgumentError("path contains a NUL byte (open() would use only the part before it): " +
+                        path.substr(0, path.find('\0')) + "\\0...");
   if (nbytes > 0 && buf == nullptr) throw ArgumentError("buffer pointer is null (path " + path + ")");
 
   {

@@ -110,6 +110,14 @@ static void errors(Backend b) {
     CHECK(false);
   } catch (const ArgumentError&) {
   }
+  // A NUL in the path is refused: open() would use the path cut at it and write to another file.
+  const std::string cut = g_dir + "/nul";
+  try {
+    h.submit(true, buf, sizeof buf, cut + std::string(1, '\0') + "b", 0);
+    CHECK(false);
+  } catch (const ArgumentError&) {
+  }
+  CHECK(::access(cut.c_str(), F_OK) != 0);
   // Injected EIO fails one request; a concurrent one still completes.
   std::vector<char> big = random_bytes(1 << 20, 1), other(1 << 20);
   arm_fault(3, FaultMode::kErrno, EIO);

@@ -157,3 +157,13 @@ def test_no_space_left(backend, tiny_fs):
     assert e.errno == errno.ENOSPC and e.filename == str(path)
     assert 0 <= e.offset < src.size and e.offset % 4096 == 0
     assert str(e).startswith("[Errno 28] write failed (No space left on device), at offset ")
+
+
+def test_a_path_with_a_nul_byte_is_refused_not_cut(backend, disk_dir):
+    """open(2) would stop at the NUL and write to the file named by what comes before it."""
+    cut = disk_dir / "a"
+    with AsyncIO(backend=backend) as h:
+        for op in (h.pwrite, h.pread):
+            with pytest.raises(ValueError, match=r"(path contains a NUL byte|embedded null byte)"):
+                op(np.zeros(4, np.uint8), f"{cut}\0b")
+    assert not cut.exists(), "nothing may be written to the path cut at the NUL"
