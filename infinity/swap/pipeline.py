@@ -105,9 +105,9 @@ class StatePipeline:
         t2 = time.perf_counter()
         self.stats.io_wait_s += t1 - t0
         self.stats.compute_s += t2 - t1
-        self._span(getattr(state, "last_read", None), 1)
+        self._span(state.last_read, 1)
         if self.trace is not None:
-            self.trace.add(f"{self.mode.value} {getattr(state, 'id', state.tier.value)}", "compute", t1, t2, 3)
+            self.trace.add(f"{self.mode.value} {state.label}", "compute", t1, t2, 3)
         if self.mode is not Mode.FILL:
             self.stats.bytes_read += state.io_bytes
         if self.mode is Mode.READ:

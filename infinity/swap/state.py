@@ -49,6 +49,13 @@ class GroupState(abc.ABC):
     tier: Tier
     pinned: bool = False
     """Its gradient buffer is page-locked (HostState with offload_optimizer.pin_memory on CUDA)."""
+    last_read = None
+    """The future of its last read from storage, for telemetry spans (RAM tiers read nothing)."""
+
+    @property
+    def label(self) -> str:
+        """What telemetry calls it."""
+        return self.tier.value
 
     def __init__(self, numel: int):
         self.numel = numel
@@ -188,7 +195,6 @@ class NvmeState(GroupState):
         self.id = part_id
         self._read = None  # the prefetched (or open()'s) read future
         self._blank = None  # the pool buffer open(blank=True) took, until close() hands it to the write
-        self.last_read = None  # the future of the last read, for telemetry spans
 
     @property
     def io_bytes(self) -> int:
@@ -197,6 +203,10 @@ class NvmeState(GroupState):
     @property
     def path(self) -> str:
         return self.swapper.path_of(self.id)
+
+    @property
+    def label(self) -> str:
+        return self.id
 
     def prefetch(self, *, reserve: int = 0) -> None:
         if self._read is None:

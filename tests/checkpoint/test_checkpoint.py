@@ -376,6 +376,15 @@ def test_a_non_strict_load_keeps_what_the_checkpoint_lacks(disk_dir, tier):
         dst.step()  # and trains on from there
     finally:
         dst.close()
+    wrapped = torch.nn.Sequential(GPT(MODEL))  # every name gains a "0." prefix: nothing in common
+    other = initialize(wrapped, cfg, model_parameters=wrapped.parameters())
+    try:
+        with pytest.raises(CheckpointError, match=r"has none of this model's parameters \(the model has e.g. "
+                                                  r"'0\..*', the checkpoint \['.*'\]\); a non-strict load would "
+                                                  r"change nothing, so check that the names match"):
+            other.load_checkpoint(disk_dir / "ck", load_module_strict=False)
+    finally:
+        other.close()
 
 
 def test_a_checkpoint_without_the_frozen_weights_loads_into_the_base_model(disk_dir, capsys):
@@ -425,3 +434,9 @@ def test_a_checkpoint_without_the_frozen_weights_loads_into_the_base_model(disk_
         other.close()
     assert main(["checkpoint", "export", str(disk_dir / "ck"), str(disk_dir / "w.safetensors")]) == 0
     assert "frozen parameters were left out when it was saved" in capsys.readouterr().out
+    from infinity.checkpoint.export import export_hf
+
+    with pytest.raises(CheckpointError, match=r"was saved with exclude_frozen_parameters, so it lacks \d+ frozen "
+                                              r"weights \(e.g. .*\); from_pretrained would initialise them at random"):
+        export_hf(disk_dir / "ck", disk_dir / "hf")
+    assert not (disk_dir / "hf").exists(), "nothing is written"
