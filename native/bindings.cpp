@@ -211,13 +211,22 @@ PYBIND11_MODULE(_native, m) {
       [](uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
          size_t n, int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
          bool bias_correction, double grad_scale, uintptr_t out_lowp, const std::string& lowp_dtype,
-         bool check_finite, const std::string& simd) {
+         bool check_finite, const std::string& simd, const std::string& moment_dtype,
+         const std::string& moment_rounding, uint32_t moment_seed) {
         infinity::cpu::AdamArgs a;
         a.param = reinterpret_cast<float*>(param);
         a.grad = reinterpret_cast<const void*>(grad);
         a.grad_dtype = dtype_from(grad_dtype, "grad");
-        a.exp_avg = reinterpret_cast<float*>(exp_avg);
-        a.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+        a.exp_avg = reinterpret_cast<void*>(exp_avg);
+        a.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
+        a.moment_dtype = dtype_from(moment_dtype, "exp_avg");
+        if (a.moment_dtype == infinity::cpu::Dtype::kF16)
+          throw ArgumentError("exp_avg must be float32 or bfloat16, got float16");
+        if (moment_rounding != "nearest" && moment_rounding != "stochastic")
+          throw ArgumentError("moment_rounding must be nearest or stochastic, got " + moment_rounding);
+        a.moment_rounding = moment_rounding == "stochastic" ? infinity::cpu::Rounding::kStochastic
+                                                            : infinity::cpu::Rounding::kNearest;
+        a.moment_seed = moment_seed;
         a.out_lowp = reinterpret_cast<void*>(out_lowp);
         a.lowp_dtype = out_lowp ? dtype_from(lowp_dtype, "out_lowp") : infinity::cpu::Dtype::kBF16;
         a.n = n;

@@ -12,6 +12,13 @@ Rows, per size:
                    fused step, bf16 copy; infinity: one call with grad_scale
   amp, bf16 grads  the same with bf16 gradients (as they come off a bf16
                    model): torch first widens them into the fp32 .grad
+  bf16 moments     infinity/<simd>/bf16-moments[-sr]: offload_optimizer.moments_dtype
+                   "bf16", nearest-even or stochastic rounding, against torch's
+                   fused fp32 AdamW (20 bytes per element move instead of 28),
+                   without the inf/nan pre-check, as the engine calls it (its
+                   global check runs once over all gradients first);
+                   each is first bit-compared with the scalar reference of the
+                   same rounding (bitexact_vs_scalar)
 The roofline is a streaming kernel with Adam's traffic (read p, g, m, v;
 write p, m, v; plus the 2-byte copy when there is one); roofline_frac is our
 params/s divided by its params/s.
@@ -43,6 +50,7 @@ class AdamResult:
     stdev: float
     vs_torch_fused: float | None = None
     roofline_frac: float | None = None
+    bitexact_vs_scalar: bool | None = None
 
 
 def _interleaved_rates(fns: list, numel: int, repeats: int) -> list[tuple[float, float]]:
@@ -71,18 +79,42 @@ class _Tensors:
         self.m = torch.zeros(n)
         self.v = torch.zeros(n)
         self.out = torch.empty(n, dtype=torch.bfloat16)
+        self.m16 = torch.zeros(n, dtype=torch.bfloat16)
+        self.v16 = torch.zeros(n, dtype=torch.bfloat16)
         self.step = 0
 
 
-def _ours(t: _Tensors, level: str, *, lowp: bool, check: bool, scale: float = 1.0, bf16_grads: bool = False):
-    grad, gdt = (t.g16, "bfloat16") if bf16_grads else (t.g, "float32")
+def _native_step(t: _Tensors, level: str, grad, *, lowp: bool, check: bool, scale: float,
+                 rounding: str | None, step: int) -> None:
+    """One native step; `rounding` None: fp32 moments, else bf16 moments rounded that way."""
+    gdt = "bfloat16" if grad.dtype == torch.bfloat16 else "float32"
+    m, v = (t.m, t.v) if rounding is None else (t.m16, t.v16)
+    native.adam_step(t.p.data_ptr(), grad.data_ptr(), gdt, m.data_ptr(), v.data_ptr(), t.p.numel(),
+                     step, 1e-4, 0.9, 0.999, 1e-8, 0.01, True, True, scale,
+                     t.out.data_ptr() if lowp else 0, "bfloat16" if lowp else "", check, level,
+                     "float32" if rounding is None else "bfloat16", rounding or "nearest", step)
+
+
+def _ours(t: _Tensors, level: str, *, lowp: bool, check: bool, scale: float = 1.0, bf16_grads: bool = False,
+          rounding: str | None = None):
+    grad = t.g16 if bf16_grads else t.g
 
     def run():
         t.step += 1
-        native.adam_step(t.p.data_ptr(), grad.data_ptr(), gdt, t.m.data_ptr(), t.v.data_ptr(), t.p.numel(),
-                         t.step, 1e-4, 0.9, 0.999, 1e-8, 0.01, True, True, scale,
-                         t.out.data_ptr() if lowp else 0, "bfloat16" if lowp else "", check, level)
+        _native_step(t, level, grad, lowp=lowp, check=check, scale=scale, rounding=rounding, step=t.step)
     return run
+
+
+def bitexact_vs_scalar(numel: int, level: str, rounding: str, steps: int = 3) -> bool:
+    """`level` and the scalar reference give the same bits for bf16 moments rounded `rounding`."""
+    a, b = _Tensors(numel), _Tensors(numel)
+    for step in range(1, steps + 1):
+        _native_step(a, level, a.g, lowp=True, check=True, scale=1.0, rounding=rounding, step=step)
+        _native_step(b, "scalar", b.g, lowp=True, check=True, scale=1.0, rounding=rounding, step=step)
+    same = [torch.equal(x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32),
+                        y.view(torch.int16 if y.dtype == torch.bfloat16 else torch.int32))
+            for x, y in ((a.p, b.p), (a.m16, b.m16), (a.v16, b.v16), (a.out, b.out))]
+    return all(same)
 
 
 class _TorchAdamW:
@@ -137,6 +169,10 @@ def measure(numel: int, repeats: int, levels: list[str]) -> list[AdamResult]:
         plan.append((f"infinity/{levels[0]}/no-check", lowp, _ours(t, levels[0], lowp=lowp_on, check=False)))
         plan.append(("torch/fused", lowp, _torch(t, fused, lowp=lowp_on, amp=False)))
         plan.append(("torch/foreach", lowp, _torch(t, foreach, lowp=lowp_on, amp=False)))
+    for lowp_on, lowp in ((False, None), (True, "bf16")):
+        for rounding, tag in (("nearest", "bf16-moments"), ("stochastic", "bf16-moments-sr")):
+            plan.append((f"infinity/{levels[0]}/{tag}", lowp,
+                         _ours(t, levels[0], lowp=lowp_on, check=False, rounding=rounding)))
     plan.append((f"infinity/{levels[0]}/amp", "bf16", _ours(t, levels[0], lowp=True, check=True, scale=1024.0)))
     plan.append(("torch/fused/amp", "bf16", _torch(t, fused, lowp=True, amp=True)))
     plan.append((f"infinity/{levels[0]}/amp-bf16grad", "bf16",
@@ -158,7 +194,11 @@ def measure(numel: int, repeats: int, levels: list[str]) -> list[AdamResult]:
         peer = f"torch/fused/{suffix}" if suffix.startswith("amp") else "torch/fused"
         base = next(x for x in rows if x.impl == peer and x.lowp == r.lowp)
         r.vs_torch_fused = r.params_per_s / base.params_per_s
-        if r.impl.startswith("infinity/"):
+        if "bf16-moments" in r.impl:
+            # The roofline kernel moves fp32 moments: no fraction of it applies to these rows.
+            rounding = "stochastic" if r.impl.endswith("-sr") else "nearest"
+            r.bitexact_vs_scalar = bitexact_vs_scalar(min(numel, 1 << 20) + 3, levels[0], rounding)
+        elif r.impl.startswith("infinity/"):
             r.roofline_frac = r.params_per_s / roof[r.lowp]
     return rows
 
@@ -183,7 +223,7 @@ def run(args) -> int:
     if not args.json:
         print(f"# bench adam: sizes={sizes} repeats={args.repeats} threads: ours={native.get_num_threads()} "
               f"torch={torch.get_num_threads()} simd={levels} torch={torch.__version__}", flush=True)
-        print(f"{'impl':28} {'numel':>11} {'lowp':>5} {'Gparam/s':>9} {'±':>6} {'vs fused':>8} {'roofline':>8}")
+        print(f"{'impl':34} {'numel':>11} {'lowp':>5} {'Gparam/s':>9} {'±':>6} {'vs fused':>8} {'roofline':>8}")
     for numel in sizes:
         for r in measure(numel, args.repeats, levels):
             if args.json:
@@ -191,6 +231,8 @@ def run(args) -> int:
             else:
                 vs = f"{r.vs_torch_fused:8.2f}" if r.vs_torch_fused is not None else " " * 8
                 rf = f"{100 * r.roofline_frac:7.1f}%" if r.roofline_frac is not None else ""
-                print(f"{r.impl:28} {r.numel:>11} {r.lowp or '-':>5} {r.params_per_s / 1e9:9.3f} "
+                if r.bitexact_vs_scalar is not None:
+                    rf = " bit-exact vs scalar" if r.bitexact_vs_scalar else " DIFFERS FROM SCALAR"
+                print(f"{r.impl:34} {r.numel:>11} {r.lowp or '-':>5} {r.params_per_s / 1e9:9.3f} "
                       f"{r.stdev / 1e9:6.3f} {vs} {rf}", flush=True)
     return 0

@@ -15,6 +15,10 @@ from infinity._native_loader import native
 
 _GRAD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LOWP_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MOMENT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+ROUNDINGS = ("nearest", "stochastic")
+"""How bf16 moments are stored: round to nearest even, or stochastically (see [Note: bf16 moments] in
+native/cpu/adam.cpp)."""
 
 
 def _check_tensor(name: str, t, dtypes, numel: int | None) -> None:
@@ -70,7 +74,8 @@ def _check_scalars(step, lr, betas, eps, weight_decay, grad_scale) -> None:
 def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                   step: int, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                   adamw: bool = True, bias_correction: bool = True, grad_scale: float = 1.0,
-                  out_lowp: torch.Tensor | None = None, check_finite: bool = True) -> bool:
+                  out_lowp: torch.Tensor | None = None, check_finite: bool = True,
+                  moment_rounding: str = "nearest", moment_seed: int = 0) -> bool:
     """One Adam/AdamW step in place, in one pass over the optimizer state.
 
     `grad` (fp32, bf16 or fp16) is divided by `grad_scale`. With
@@ -80,14 +85,23 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     rounded exactly like `param.to(out_lowp.dtype)`. Shapes may differ; only
     element counts must match. Returns False when the step was applied.
 
+    `exp_avg` and `exp_avg_sq` are both fp32, or both bf16 (offload_optimizer.moments_dtype "bf16"): then
+    they are read as bf16, updated in fp32 and stored rounded to bf16, by `moment_rounding` "nearest"
+    (even) or "stochastic", whose random bits are a hash of `moment_seed` (a uint32) and the element's index.
+
     The code path follows the CPU (AVX-512, AVX2 or scalar); set
     INFINITY_SIMD=scalar|avx2|avx512 to force a lower one.
     """
     _check_tensor("param", param, (torch.float32,), None)
     n = param.numel()
     _check_tensor("grad", grad, tuple(_GRAD_DTYPES), n)
-    _check_tensor("exp_avg", exp_avg, (torch.float32,), n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    _check_tensor("exp_avg", exp_avg, tuple(_MOMENT_DTYPES), n)
+    _check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n)
+    if moment_rounding not in ROUNDINGS:
+        raise ValueError(f"cpu_adam_step: moment_rounding must be one of {', '.join(ROUNDINGS)}, "
+                         f"got {moment_rounding!r}")
+    if isinstance(moment_seed, bool) or not isinstance(moment_seed, int) or not 0 <= moment_seed < 2 ** 32:
+        raise ValueError(f"cpu_adam_step: moment_seed must be an int in [0, 2**32), got {moment_seed!r}")
     if out_lowp is not None:
         _check_tensor("out_lowp", out_lowp, tuple(_LOWP_DTYPES), n)
     _check_scalars(step, lr, betas, eps, weight_decay, grad_scale)
@@ -96,13 +110,17 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     if n == 0:
         return False
     if native is None:
+        if exp_avg.dtype != torch.float32:
+            raise RuntimeError("cpu_adam_step: bf16 moments need the native extension (infinity._native), "
+                               "which did not load; reinstall infinity or use moments_dtype fp32")
         return _reference_step(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, adamw,
                                bias_correction, grad_scale, out_lowp, check_finite)
     return native.adam_step(
         param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         n, step, float(lr), float(betas[0]), float(betas[1]), float(eps), float(weight_decay), bool(adamw),
         bool(bias_correction), float(grad_scale), out_lowp.data_ptr() if out_lowp is not None else 0,
-        _LOWP_DTYPES[out_lowp.dtype] if out_lowp is not None else "", bool(check_finite), "auto")
+        _LOWP_DTYPES[out_lowp.dtype] if out_lowp is not None else "", bool(check_finite), "auto",
+        _MOMENT_DTYPES[exp_avg.dtype], moment_rounding, int(moment_seed))
 
 
 def grads_finite(grads, grad_scale: float = 1.0) -> bool:

@@ -6,6 +6,21 @@
 // SIMD files build with -ffp-contract=off), and sqrt/div are IEEE-exact in
 // both. The order follows torch.optim.AdamW's single-tensor implementation,
 // so results agree with torch to a few ulp per step.
+//
+// [Note: bf16 moments]
+// With moment_dtype kBF16 (offload_optimizer.moments_dtype "bf16") the
+// moments are loaded from bf16, the update runs in fp32 exactly as above,
+// and the new moments are stored to bf16: 8 bytes of state per parameter
+// instead of 12, and 20 bytes of traffic per Adam element instead of 28.
+// Round-to-nearest-even stalls the second moment: one bf16 ulp is 2^-8 of
+// the value, more than the 0.1% that beta2 = 0.999 takes off per step, so a
+// v with small new gradients never decays. Stochastic rounding keeps every
+// decay right in expectation; its bits come from moment_bits(seed, i), a
+// hash of the element's index, so every code path and thread split rounds
+// each element the same way. The master weights stay fp32. No torch
+// implementation stores bf16 moments, so there are no torch bits to match:
+// this path multiplies by 1/sqrt(bc2) where the fp32 path divides, which
+// takes one of its two divisions out of a loop that division bounds.
 #include "adam.hpp"
 
 #include <atomic>
@@ -28,6 +43,19 @@ float load_grad(const void* g, Dtype dt, size_t i) {
     default: return static_cast<const float*>(g)[i];
   }
 }
+
+float load_moment(const void* m, Dtype dt, size_t i) {
+  return dt == Dtype::kBF16 ? bf16_to_f32(static_cast<const uint16_t*>(m)[i]) : static_cast<const float*>(m)[i];
+}
+
+void store_moment(const AdamArgs& a, void* m, size_t i, float x, uint32_t r) {
+  if (a.moment_dtype != Dtype::kBF16) {
+    static_cast<float*>(m)[i] = x;
+    return;
+  }
+  static_cast<uint16_t*>(m)[i] =
+      a.moment_rounding == Rounding::kStochastic ? f32_to_bf16_stochastic(f32_bits(x), r) : f32_to_bf16(x);
+}
 }  // namespace
 
 AdamScalars adam_scalars(const AdamArgs& a) {
@@ -42,6 +70,7 @@ AdamScalars adam_scalars(const AdamArgs& a) {
   double bc1 = a.bias_correction ? 1.0 - std::pow(a.beta1, static_cast<double>(a.step)) : 1.0;
   double bc2 = a.bias_correction ? 1.0 - std::pow(a.beta2, static_cast<double>(a.step)) : 1.0;
   s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   s.eps = static_cast<float>(a.eps);
   s.neg_step = static_cast<float>(-(a.lr / bc1));
   return s;
@@ -56,16 +85,20 @@ bool adam_range_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size_
     float p = a.param[i];
     if (s.l2 != 0.0f) g = g + s.l2 * p;                           // Adam: L2 penalty joins the gradient
     p = p * s.decay;                                              // AdamW: param.mul_(1 - lr * wd)
-    float m = a.exp_avg[i];
+    float m = load_moment(a.exp_avg, a.moment_dtype, i);
     m = s.lerp_low ? m + s.w1 * (g - m)                           // exp_avg.lerp_(grad, 1 - beta1),
                    : g - (g - m) * (1.0f - s.w1);                 //   both of torch's lerp formulas
-    float v = a.exp_avg_sq[i] * s.beta2;                          // exp_avg_sq.mul_(beta2)
+    float v = load_moment(a.exp_avg_sq, a.moment_dtype, i) * s.beta2;  // exp_avg_sq.mul_(beta2)
     v = v + s.c2 * g * g;                                         //   .addcmul_(grad, grad, 1 - beta2)
-    float denom = std::sqrt(v) / s.bc2_sqrt + s.eps;              // (sqrt(v) / sqrt(bc2)).add_(eps)
+    float denom = a.moment_dtype == Dtype::kBF16                  // (sqrt(v) / sqrt(bc2)).add_(eps);
+                      ? std::sqrt(v) * s.inv_bc2_sqrt + s.eps     //   bf16 moments: one division
+                      : std::sqrt(v) / s.bc2_sqrt + s.eps;        //   less (no torch bits to match)
     p = p + s.neg_step * (m / denom);                             // param.addcdiv_(m, denom, -lr / bc1)
     a.param[i] = p;                                               // write back the fp32 master weight,
-    a.exp_avg[i] = m;                                             //   first moment,
-    a.exp_avg_sq[i] = v;                                          //   second moment,
+    uint32_t bits = a.moment_rounding == Rounding::kStochastic
+                        ? moment_bits(a.moment_seed, static_cast<uint32_t>(i)) : 0;
+    store_moment(a, a.exp_avg, i, m, bits & 0xffffu);             //   first moment,
+    store_moment(a, a.exp_avg_sq, i, v, bits >> 16);              //   second moment,
     if (a.out_lowp) {                                             //   and the low-precision copy
       uint16_t* out = static_cast<uint16_t*>(a.out_lowp);
       out[i] = a.lowp_dtype == Dtype::kBF16 ? f32_to_bf16(p) : f32_to_f16(p);

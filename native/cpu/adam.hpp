@@ -1,6 +1,7 @@
-// CPU Adam/AdamW over flat buffers: fp32 master weights and moments, grads in
-// fp32/bf16/fp16, optional bf16/fp16 copy of the new weights, gradient
-// unscaling and an inf/nan check, in one sweep over the optimizer state.
+// CPU Adam/AdamW over flat buffers: fp32 master weights, moments in fp32 or
+// bf16, grads in fp32/bf16/fp16, optional bf16/fp16 copy of the new weights,
+// gradient unscaling and an inf/nan check, in one sweep over the optimizer
+// state.
 #pragma once
 
 #include <cstddef>
@@ -12,12 +13,18 @@ namespace infinity::cpu {
 
 enum class Dtype { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
+// How bf16 moments are rounded when stored (see [Note: bf16 moments]).
+enum class Rounding { kNearest = 0, kStochastic = 1 };
+
 struct AdamArgs {
   float* param = nullptr;
   const void* grad = nullptr;
   Dtype grad_dtype = Dtype::kF32;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
+  void* exp_avg = nullptr;       // fp32, or bf16 with moment_dtype kBF16
+  void* exp_avg_sq = nullptr;
+  Dtype moment_dtype = Dtype::kF32;  // kF32 or kBF16
+  Rounding moment_rounding = Rounding::kNearest;  // bf16 moments only
+  uint32_t moment_seed = 0;     // kStochastic: element i's bits are moment_bits(moment_seed, i)
   void* out_lowp = nullptr;  // null: no low-precision copy
   Dtype lowp_dtype = Dtype::kBF16;
   size_t n = 0;
@@ -40,11 +47,33 @@ struct AdamScalars {
   float beta2;
   float c2;         // 1 - beta2
   float bc2_sqrt;   // sqrt(1 - beta2^step), or 1
+  float inv_bc2_sqrt;  // 1 / bc2_sqrt: bf16 moments multiply where torch divides (one division less)
   float eps;
   float neg_step;   // -lr / (1 - beta1^step)
 };
 
 AdamScalars adam_scalars(const AdamArgs& a);
+
+// The random bits stochastic rounding adds below a bf16 moment's kept bits:
+// a counter-based hash of (seed, element index), so the result is the same
+// whatever the thread split or SIMD width. The low 16 bits round exp_avg,
+// the high 16 exp_avg_sq. Every SIMD path computes exactly this.
+inline uint32_t moment_bits(uint32_t seed, uint32_t i) {
+  uint32_t x = (i * 0x9e3779b1u) ^ seed;
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// fp32 -> bf16 with `r` (< 2^16) added below the kept bits: stochastic
+// rounding, up with probability (dropped bits) / 2^16. NaN becomes 0xffff.
+inline uint16_t f32_to_bf16_stochastic(uint32_t u, uint32_t r) {
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+  return static_cast<uint16_t>((u + r) >> 16);
+}
 
 // True when any grad[i] * inv_scale is inf/nan; a read-only parallel sweep.
 bool any_nonfinite(const void* grad, Dtype dt, size_t n, float inv_scale, SimdLevel level);

@@ -46,14 +46,31 @@ struct V {
     if (G == Dtype::kF16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  static void store_bf16(uint16_t* out, F x) {
-    __m256i u = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  // 32-bit integer lanes, for the stochastic-rounding hash (moment_bits_v in adam_kernel.inl).
+  typedef __m256i I;
+  static I iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static I iota(uint32_t base) { return _mm256_add_epi32(iset1(base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I iand(I a, I b) { return _mm256_and_si256(a, b); }
+  template <int k>
+  static I isrl(I a) { return _mm256_srli_epi32(a, k); }
+  static F load_bf16(const uint16_t* p) { return load_grad<Dtype::kBF16>(p, 0); }
+  // Stores the bf16 bits r (one per 32-bit lane, <= 0xffff), with 0xffff for the lanes where x is NaN.
+  static void store_bf16_bits(uint16_t* out, F x, __m256i r) {
     __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), _mm256_castps_si256(nan));
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+  }
+  static void store_bf16(uint16_t* out, F x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    store_bf16_bits(out, x, _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16));
+  }
+  static void store_bf16_stochastic(uint16_t* out, F x, I rnd) {
+    store_bf16_bits(out, x, _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), rnd), 16));
   }
   static void store_f16(uint16_t* out, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));

@@ -51,12 +51,29 @@ struct V {
     if (G == Dtype::kF16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  // 32-bit integer lanes, for the stochastic-rounding hash (moment_bits_v in adam_kernel.inl).
+  typedef __m512i I;
+  static I iset1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static I iota(uint32_t base) { return _mm512_add_epi32(iset1(base), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)); }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I iand(I a, I b) { return _mm512_and_si512(a, b); }
+  template <int k>
+  static I isrl(I a) { return _mm512_srli_epi32(a, k); }
+  static F load_bf16(const uint16_t* p) { return load_grad<Dtype::kBF16>(p, 0); }
+  // Stores the bf16 bits r (one per 32-bit lane, <= 0xffff), with 0xffff for the lanes where x is NaN.
+  static void store_bf16_bits(uint16_t* out, F x, __m512i r) {
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+  }
   static void store_bf16(uint16_t* out, F x) {
     __m512i u = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+    store_bf16_bits(out, x, _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16));
+  }
+  static void store_bf16_stochastic(uint16_t* out, F x, I rnd) {
+    store_bf16_bits(out, x, _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), rnd), 16));
   }
   static void store_f16(uint16_t* out, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),

@@ -7,12 +7,27 @@
 // an anonymous namespace and defines INFINITY_ISA_SUFFIX; this file closes
 // the namespace and defines adam_range_<suffix> and nonfinite_<suffix>.
 
-template <Dtype G, int LOWP>  // LOWP: 0 none, 1 bf16, 2 fp16
+// moment_bits (adam.hpp) for the V::kWidth elements from i.
+static typename V::I moment_bits_v(uint32_t seed, size_t i) {
+  typename V::I x = V::ixor(V::imul(V::iota(static_cast<uint32_t>(i)), V::iset1(0x9e3779b1u)), V::iset1(seed));
+  x = V::ixor(x, V::template isrl<16>(x));
+  x = V::imul(x, V::iset1(0x7feb352du));
+  x = V::ixor(x, V::template isrl<15>(x));
+  x = V::imul(x, V::iset1(0x846ca68bu));
+  return V::ixor(x, V::template isrl<16>(x));
+}
+
+// LOWP: 0 none, 1 bf16, 2 fp16. MOM: 0 fp32 moments, 1 bf16 nearest-even, 2 bf16 stochastic.
+template <Dtype G, int LOWP, int MOM>
 static bool adam_kernel(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
   typedef typename V::F F;
+  float* const m32 = static_cast<float*>(a.exp_avg);
+  float* const v32 = static_cast<float*>(a.exp_avg_sq);
+  uint16_t* const m16 = static_cast<uint16_t*>(a.exp_avg);
+  uint16_t* const v16 = static_cast<uint16_t*>(a.exp_avg_sq);
   const F inv = V::set1(s.inv_scale), decay = V::set1(s.decay), l2 = V::set1(s.l2);
   const F w1 = V::set1(s.w1), omw1 = V::set1(1.0f - s.w1), beta2 = V::set1(s.beta2), c2 = V::set1(s.c2);
-  const F bc2 = V::set1(s.bc2_sqrt), eps = V::set1(s.eps), neg_step = V::set1(s.neg_step);
+  const F bc2 = V::set1(s.bc2_sqrt), inv_bc2 = V::set1(s.inv_bc2_sqrt), eps = V::set1(s.eps), neg_step = V::set1(s.neg_step);
   const bool use_l2 = s.l2 != 0.0f, lerp_low = s.lerp_low;
   typename V::Mask bad = V::no_mask();
   size_t i = lo;
@@ -22,15 +37,24 @@ static bool adam_kernel(const AdamArgs& a, const AdamScalars& s, size_t lo, size
     F p = V::load(a.param + i);
     if (use_l2) g = V::add(g, V::mul(l2, p));
     p = V::mul(p, decay);
-    F m = V::load(a.exp_avg + i);
+    F m = MOM ? V::load_bf16(m16 + i) : V::load(m32 + i);
     m = lerp_low ? V::add(m, V::mul(w1, V::sub(g, m))) : V::sub(g, V::mul(V::sub(g, m), omw1));
-    F v = V::mul(V::load(a.exp_avg_sq + i), beta2);
+    F v = V::mul(MOM ? V::load_bf16(v16 + i) : V::load(v32 + i), beta2);
     v = V::add(v, V::mul(V::mul(c2, g), g));
-    F denom = V::add(V::div(V::sqrt(v), bc2), eps);
+    F denom = MOM ? V::add(V::mul(V::sqrt(v), inv_bc2), eps) : V::add(V::div(V::sqrt(v), bc2), eps);
     p = V::add(p, V::mul(neg_step, V::div(m, denom)));
     V::store(a.param + i, p);
-    V::store(a.exp_avg + i, m);
-    V::store(a.exp_avg_sq + i, v);
+    if (MOM == 0) {
+      V::store(m32 + i, m);
+      V::store(v32 + i, v);
+    } else if (MOM == 1) {
+      V::store_bf16(m16 + i, m);
+      V::store_bf16(v16 + i, v);
+    } else {
+      const typename V::I bits = moment_bits_v(a.moment_seed, i);
+      V::store_bf16_stochastic(m16 + i, m, V::iand(bits, V::iset1(0xffffu)));
+      V::store_bf16_stochastic(v16 + i, v, V::template isrl<16>(bits));
+    }
     if (LOWP == 1) V::store_bf16(static_cast<uint16_t*>(a.out_lowp) + i, p);
     if (LOWP == 2) V::store_f16(static_cast<uint16_t*>(a.out_lowp) + i, p);
   }
@@ -59,10 +83,18 @@ static bool nonfinite_kernel(const void* grad, float inv_scale, size_t lo, size_
   return V::any(bad) || (i < hi && nonfinite_scalar(grad, G, inv_scale, i, hi));
 }
 
+template <Dtype G, int LOWP>
+static bool adam_dispatch_moments(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  if (a.moment_dtype != Dtype::kBF16) return adam_kernel<G, LOWP, 0>(a, s, lo, hi);
+  return a.moment_rounding == Rounding::kStochastic ? adam_kernel<G, LOWP, 2>(a, s, lo, hi)
+                                                    : adam_kernel<G, LOWP, 1>(a, s, lo, hi);
+}
+
 template <Dtype G>
 static bool adam_dispatch_lowp(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
-  if (!a.out_lowp) return adam_kernel<G, 0>(a, s, lo, hi);
-  return a.lowp_dtype == Dtype::kBF16 ? adam_kernel<G, 1>(a, s, lo, hi) : adam_kernel<G, 2>(a, s, lo, hi);
+  if (!a.out_lowp) return adam_dispatch_moments<G, 0>(a, s, lo, hi);
+  return a.lowp_dtype == Dtype::kBF16 ? adam_dispatch_moments<G, 1>(a, s, lo, hi)
+                                      : adam_dispatch_moments<G, 2>(a, s, lo, hi);
 }
 
 static bool adam_dispatch(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {

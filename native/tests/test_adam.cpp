@@ -81,6 +81,33 @@ int main() {
         }
       }
     }
+    // bf16 moments, both roundings: every SIMD path equals the scalar reference bit for bit.
+    for (size_t n : {1ul, 17ul, 100003ul}) {
+      for (Rounding rnd : {Rounding::kNearest, Rounding::kStochastic}) {
+        for (Dtype gdt : {Dtype::kF32, Dtype::kBF16}) {
+          State a = make_state(n, static_cast<unsigned>(n) + 7, gdt);
+          std::vector<uint16_t> am(n + 1), av(n + 1);
+          for (size_t i = 0; i <= n; ++i) {
+            am[i] = f32_to_bf16(a.m[i]);
+            av[i] = f32_to_bf16(a.v[i]);
+          }
+          State b = a;
+          std::vector<uint16_t> bm = am, bv = av;
+          AdamArgs x = args_for(a, n, gdt, true, Dtype::kBF16), y = args_for(b, n, gdt, true, Dtype::kBF16);
+          x.exp_avg = am.data() + 1, x.exp_avg_sq = av.data() + 1;
+          y.exp_avg = bm.data() + 1, y.exp_avg_sq = bv.data() + 1;
+          x.moment_dtype = y.moment_dtype = Dtype::kBF16;
+          x.moment_rounding = y.moment_rounding = rnd;
+          for (int step = 1; step <= 3; ++step) {
+            x.step = y.step = step;
+            x.moment_seed = y.moment_seed = 1000u + static_cast<uint32_t>(step);
+            CHECK(!adam_step(x, level));
+            CHECK(!adam_step(y, SimdLevel::kScalar));
+          }
+          CHECK(a.p == b.p && am == bm && av == bv && a.out == b.out);
+        }
+      }
+    }
     // A NaN deep inside a large gradient: nothing may be written.
     State s = make_state(200000, 9, Dtype::kF32);
     s.g32[150001] = std::nanf("");
@@ -92,6 +119,20 @@ int main() {
     CHECK(std::memcmp(s.v.data(), saved.v.data(), s.v.size() * 4) == 0);
     CHECK(s.out == saved.out);
     std::printf("%s: %s\n", simd_name(level), g_failures == before ? "ok" : "FAILED");
+  }
+  // Stochastic rounding is unbiased: x = 1 + 2^-10 lies 1/8 of the way from bf16 1.0 to the next value
+  // (1 + 2^-7), so about 1/8 of the hashed indices round it up.
+  {
+    const uint32_t u = f32_bits(1.0f + 1.0f / 1024.0f);
+    size_t up = 0, n = 1 << 16;
+    for (uint32_t i = 0; i < n; ++i) up += f32_to_bf16_stochastic(u, moment_bits(42u, i) & 0xffffu) != 0x3f80;
+    CHECK(up > n / 8 - n / 64 && up < n / 8 + n / 64);
+    size_t up_hi = 0;
+    for (uint32_t i = 0; i < n; ++i) up_hi += f32_to_bf16_stochastic(u, moment_bits(42u, i) >> 16) != 0x3f80;
+    CHECK(up_hi > n / 8 - n / 64 && up_hi < n / 8 + n / 64);
+    CHECK(f32_to_bf16_stochastic(f32_bits(std::nanf("")), 0xffffu) == 0xffff);
+    CHECK(f32_to_bf16_stochastic(0x7f800000u, 0xffffu) == 0x7f80);  // inf stays inf
+    CHECK(f32_to_bf16_stochastic(0x3f800000u, 0xffffu) == 0x3f80);  // an exact value never moves
   }
   // CRC-32C: the standard check value, and hardware == table at odd offsets and lengths.
   const char* check = "123456789";
