@@ -37,12 +37,13 @@ def entries(m: Manifest, state: str = "master", *, aliases: bool = True):
 
     aliases=False names a tied weight once (as save_pretrained does; from_pretrained ties it again)."""
     out = {}
+    size = m.itemsize(state)
     for p in m.params:
-        nbytes, chunk = 4 * p.numel, 4 * p.part
+        nbytes, chunk = size * p.numel, size * p.part
         files = []
         for c in range(-(-p.numel // p.part)):
             files.append((("param", state, p.name, c), chunk, min(chunk, nbytes - c * chunk)))
-        out[p.name] = (p.shape, torch.float32, files)
+        out[p.name] = (p.shape, m.dtype_of(state), files)
     # tied weights: torch's state_dict names them all; safetensors cannot share storage, so they are repeated
     for alias, name in (m.aliases if aliases else {}).items():
         if name in out:  # not when the weight is a frozen one left out at save
@@ -61,7 +62,7 @@ def all_chunks(root: str, m: Manifest):
     for p in m.params:
         for state in (STATES[:1] if p.frozen else STATES):
             for c in range(-(-p.numel // p.part)):
-                yield chunk_path(root, state, p.name, c), 4 * p.part, f"{state} of parameter {p.name}"
+                yield chunk_path(root, state, p.name, c), m.itemsize(state) * p.part, f"{state} of parameter {p.name}"
     for e in m.extras:
         n = int(np.prod(e.shape, dtype=np.int64)) * BY_NAME[e.dtype].itemsize
         if n:
@@ -229,7 +230,7 @@ def info(directory, tag: str | None = None, *, verify: bool = False) -> dict:
            "skipped_steps": m.engine["skipped_steps"], "lr": m.engine["lr"],
            "loss_scale": m.engine["loss_scaler"]["scale"], "parameters": numel,
            "tensors": len(m.params), "tied": len(m.aliases), "buffers": len(m.extras),
-           "states": list(m.states), "bytes_on_disk": disk,
+           "states": list(m.states), "moments_dtype": m.moments_dtype, "bytes_on_disk": disk,
            "offload": {"param": zero.get("offload_param", {}).get("device"),
                        "optimizer": zero.get("offload_optimizer", {}).get("device")},
            "client_state": m.client_state}
@@ -289,7 +290,8 @@ def run(args) -> int:
     print(f"  saved {r['created']} by {r['world_size']} rank(s), step {r['global_steps']} "
           f"({r['skipped_steps']} skipped), lr {r['lr'][0]:g}, loss scale {r['loss_scale']:g}")
     print(f"  {r['parameters'] / 1e6:.2f}M parameters in {r['tensors']} tensors ({r['tied']} tied names), "
-          f"{r['buffers']} buffers; compute dtype {r['compute_dtype']}; states {', '.join(r['states'])}")
+          f"{r['buffers']} buffers; compute dtype {r['compute_dtype']}; states {', '.join(r['states'])} "
+          f"(moments in {r['moments_dtype']})")
     print(f"  saved with offload_param={r['offload']['param']}, offload_optimizer={r['offload']['optimizer']}; "
           f"{r['bytes_on_disk'] / 2**20:.1f} MiB on disk")
     if r["client_state"] is not None:

@@ -3,8 +3,10 @@
 [Note: checkpoint layout]
     DIR/latest                        the tag of the newest complete checkpoint (text, replaced atomically)
     DIR/<tag>/zarr.json               root group; its attributes hold the manifest (written last: see below)
-    DIR/<tag>/<state>/<param>/        one 1-D float32 array per (state, parameter), state one of
-                                      master, exp_avg, exp_avg_sq; shape (numel,), chunk (part,)
+    DIR/<tag>/<state>/<param>/        one 1-D array per (state, parameter), state one of master
+                                      (float32), exp_avg, exp_avg_sq (float32, or bfloat16 stored as
+                                      uint16 with bf16 moments: the manifest's moments_dtype); shape
+                                      (numel,), chunk (part,)
     DIR/<tag>/<state>/<param>/c.<r>   chunk r = the shard rank r owned when saving: part values + CRC-32C
     DIR/<tag>/extra/<name>/c.0        buffers and frozen parameters (replicated; rank 0 writes them)
     DIR/<tag>/ranks/<r>/zarr.json     rank r's RNG states, in the group's attributes
@@ -37,6 +39,10 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+
+import torch
+
+from infinity.dtypes import BY_NAME
 
 FORMAT = "infinity-checkpoint"
 VERSION = 1
@@ -182,6 +188,17 @@ class Manifest:
     """The engine config it was saved with (as JSON)."""
     excluded_frozen: tuple[str, ...] = ()
     """Frozen parameters left out (save_checkpoint(exclude_frozen_parameters=True)): a load keeps their values."""
+    moments_dtype: str = "float32"
+    """The dtype exp_avg and exp_avg_sq are stored in (offload_optimizer.moments_dtype; float32 before it was
+    recorded). The master weights are always float32."""
+
+    def dtype_of(self, state: str) -> torch.dtype:
+        """The dtype of a state's arrays."""
+        return torch.float32 if state == STATES[0] else BY_NAME[self.moments_dtype]
+
+    def itemsize(self, state: str) -> int:
+        """Bytes per element of a state's arrays."""
+        return self.dtype_of(state).itemsize
 
     @classmethod
     def parse(cls, d: dict, root: str) -> Manifest:
@@ -194,6 +211,9 @@ class Manifest:
         for alias, name in aliases.items():
             if not isinstance(name, str) or name not in names:
                 raise _unusable(root, f"aliases[{alias!r}]", f"{name!r} is not a saved parameter")
+        moments = _take(d, "moments_dtype", str, root, default="float32")
+        if moments not in ("float32", "bfloat16"):
+            raise _unusable(root, "moments_dtype", f"{moments!r} is not float32 or bfloat16")
         states = _take(d, "states", list, root)
         if not all(isinstance(s, str) for s in states):
             raise _unusable(root, "states", f"{states!r} is not a list of names")
@@ -206,7 +226,7 @@ class Manifest:
                    client_state_pickle=_take(d, "client_state_pickle", str, root, default=None),
                    hf_config=_take(d, "hf_config", (dict, type(None)), root, default=None),
                    config=_take(d, "config", dict, root, default={}),
-                   excluded_frozen=tuple(excluded))
+                   excluded_frozen=tuple(excluded), moments_dtype=moments)
 
 
 def check_tag(tag: str) -> str:

@@ -31,7 +31,7 @@ from infinity.checkpoint.layout import (FORMAT, LATEST, STATES, VERSION, Checkpo
                                         chunk_path, crc_of, partial_dir, read_json, read_latest)
 from infinity.checkpoint.save import extra_tensors, rng_state, together
 from infinity.checkpoint.stream import ChunkReader, Window, open_io
-from infinity.dtypes import BY_NAME
+from infinity.dtypes import BY_NAME, name_of
 
 
 def resolve(directory, tag: str | None = None) -> tuple[str, Manifest]:
@@ -214,7 +214,8 @@ def _verify(engine, m: Manifest, root: str, reader: ChunkReader, states) -> None
     for mp, s, lo, hi, pieces in my_reads(engine, m):
         for c, _, _ in pieces:
             for state in (states if mp.trainable else STATES[:1]):
-                chunks.setdefault(chunk_path(root, state, mp.name, c), (4 * s.part, f"{state} of parameter {mp.name}"))
+                chunks.setdefault(chunk_path(root, state, mp.name, c),
+                                  (m.itemsize(state) * s.part, f"{state} of parameter {mp.name}"))
     for e in m.extras:
         n = int(np.prod(e.shape, dtype=np.int64))
         if n:
@@ -225,9 +226,16 @@ def _verify(engine, m: Manifest, root: str, reader: ChunkReader, states) -> None
 def _load(engine, m: Manifest, root: str, reader: ChunkReader, states) -> None:
     """Weights (and, unless module_only, Adam's moments) and buffers into this rank's engine."""
     plan = {id(mp): (s, lo, hi, pieces) for mp, s, lo, hi, pieces in my_reads(engine, m)}
+    moments = engine.optimizer.moments
+    if m.moments_dtype != name_of(moments) and any(st != STATES[0] for st in states):
+        how = "widened exactly" if moments == torch.float32 else "rounded to nearest even"
+        warnings.warn(f"load_checkpoint: {root} holds Adam moments in {m.moments_dtype}, this engine keeps them "
+                      f"in {name_of(moments)} (offload_optimizer.moments_dtype); they were converted ({how})",
+                      stacklevel=3)
 
     def fill(g, p, mm, v):
         window = Window()
+        converts = []  # (destination, what was read in the checkpoint's dtype), done once the reads land
         try:
             for mp, off in zip(g.params, g.offsets):
                 if id(mp) not in plan:  # not in the checkpoint (a non-strict load): its state stays
@@ -239,11 +247,19 @@ def _load(engine, m: Manifest, root: str, reader: ChunkReader, states) -> None:
                         d.zero_()
                         continue
                     d[max(0, hi - lo):].zero_()  # padding
+                    saved = m.dtype_of(state)
+                    if saved != d.dtype:
+                        tmp = torch.empty(max(0, hi - lo), dtype=saved)
+                        converts.append((d[:tmp.numel()], tmp))
+                    size = saved.itemsize
                     for c, a, b in pieces:
-                        reader.read_into(window, d[a - lo:b - lo], chunk_path(root, state, mp.name, c),
-                                         4 * (a - c * s.part))
+                        into = d if saved == d.dtype else tmp
+                        reader.read_into(window, into[a - lo:b - lo], chunk_path(root, state, mp.name, c),
+                                         size * (a - c * s.part))
         finally:
             window.finish()  # every read has landed (or failed) before the caller reuses these buffers
+        for dest, tmp in converts:
+            dest.copy_(tmp)
 
     partial = any(id(mp) not in plan for mp in engine.store.params if mp.trainable)
     engine.optimizer.import_state(fill, refresh=False, keep_unfilled=partial)

@@ -142,7 +142,7 @@ def manifest(engine, tag: str, client_state, *, exclude_frozen: bool = False) ->
     return {
         "format": FORMAT, "version": VERSION, "complete": True, "tag": tag, "world_size": engine.comm.world,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "compute_dtype": name_of(store.dtype), "states": list(STATES),
+        "compute_dtype": name_of(store.dtype), "states": list(STATES), "moments_dtype": name_of(opt.moments),
         "params": [{"name": mp.name, "shape": list(mp.shape), "numel": mp.numel, "part": mp.part,
                     "frozen": not mp.trainable} for mp in store.params if mp.trainable or not exclude_frozen],
         "hf_config": hf_config(engine.module),
@@ -239,7 +239,9 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
         if exclude_frozen and not mp.trainable:
             continue
         for state in states_of(mp):
-            metadata[os.path.join(state, mp.name)] = array_meta(mp.numel, mp.part, attributes={"shape": list(mp.shape)})
+            dt = opt.moments if state != STATES[0] else torch.float32
+            metadata[os.path.join(state, mp.name)] = array_meta(
+                mp.numel, mp.part, ZARR_DTYPES[dt], attributes={"shape": list(mp.shape), "dtype": name_of(dt)})
     for name, t in extra_tensors(engine.module).items():
         metadata[os.path.join("extra", name)] = array_meta(
             t.numel(), max(1, t.numel()), ZARR_DTYPES[t.dtype],
@@ -262,7 +264,7 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
                     for mp, off in zip(g.params, g.offsets):
                         if rank * mp.part >= mp.numel:  # this rank's shard is all padding: no chunk
                             continue
-                        for state, t in zip(STATES, (p, m, v)):
+                        for state, t in zip(STATES, (p, m, v)):  # bf16 moments: their bytes, as uint16
                             w.write(chunk_path(partial, state, mp.name, rank), t[off:off + mp.part])
                 except BaseException:
                     w.finish_quietly()  # the views must outlive every write that was submitted

@@ -29,6 +29,7 @@ from infinity.engine.memory import return_freed_memory_to_os
 from infinity.engine.optimizer import ShardedAdam
 from infinity.engine.params import ParamStore, managed
 from infinity.engine.zero_init import current_store
+from infinity.swap.state import MOMENT_DTYPES, state_bytes
 from infinity.swap.telemetry import Trace
 from infinity.swap.tier import Tier
 
@@ -595,7 +596,7 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
             if compute != 4:
                 param_bytes += compute * part[k]  # the compute-dtype copy written after each step (or frozen)
     if Tier(zero.offload_optimizer.device) is Tier.NVME:
-        opt_bytes = 12 * sum(part[k] for k in trained)
+        opt_bytes = state_bytes(MOMENT_DTYPES[zero.offload_optimizer.moments_dtype]) * sum(part[k] for k in trained)
     need: dict = {}
     for slot, path, n in ((1, zero.offload_param.nvme_path, param_bytes),
                           (2, zero.offload_optimizer.nvme_path, opt_bytes)):

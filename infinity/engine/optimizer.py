@@ -6,7 +6,8 @@ parameter is a group of its own). A group is what the optimizer moves and
 steps at once: one flat fp32 gradient buffer (the `grad` view of each
 ManagedParam points into it), and its master/exp_avg/exp_avg_sq, owned by a
 `GroupState` of the group's tier (infinity/swap/state.py: device memory,
-host RAM, or one [param | exp_avg | exp_avg_sq] NVMe swap partition). The
+host RAM, or one [param | exp_avg | exp_avg_sq] NVMe swap partition; the
+moments are fp32, or bf16 with offload_optimizer.moments_dtype "bf16"). The
 step, the checkpoint export and the import are each one walk over the
 groups' states by `StatePipeline` ([Note: one pipeline] in swap/pipeline.py),
 with no tier branch here. After each group's Adam the new weights go
@@ -58,7 +59,7 @@ from infinity.engine.comm import Comm
 from infinity.engine.params import ParamStore
 from infinity.optim import grads_finite
 from infinity.swap.pipeline import Mode, StatePipeline
-from infinity.swap.state import DeviceState, GroupState, HostState, NvmeState
+from infinity.swap.state import MOMENT_DTYPES, DeviceState, GroupState, HostState, NvmeState
 from infinity.swap.telemetry import StepStats
 from infinity.swap.tier import HOST, Tier
 
@@ -107,6 +108,10 @@ class ShardedAdam(torch.optim.Optimizer):
         self.pin = off.pin_memory and torch.cuda.is_available()  # page-locking means nothing without CUDA
         self.tier = Tier(off.device)
         """Where offloaded sub-groups live; with ratio < 1 the others stay on the device ([Note: partial offload])."""
+        self.moments = MOMENT_DTYPES[off.moments_dtype]
+        """exp_avg and exp_avg_sq's dtype on every tier (offload_optimizer.moments_dtype)."""
+        if self.moments != torch.float32:
+            self.hyper["moment_rounding"] = off.moments_rounding
         self.step_count = 0
         self.groups = self._plan(self.managed_groups(), cfg.zero_optimization.sub_group_size)
         self.group_of = {id(mp): g for g in self.groups for mp in g.params}
@@ -154,8 +159,13 @@ class ShardedAdam(torch.optim.Optimizer):
     def hyper_for(self, g: _Group, **step) -> dict:
         """Adam's hyper-parameters for one sub-group now: its parameter group's, plus this step's."""
         pg = self.param_groups[g.param_group]
+        seed = {}
+        if self.moments != torch.float32:
+            # bf16 moments' stochastic rounding: a stream per (step, sub-group, rank), the same on every run.
+            seed["moment_seed"] = (step["step"] * 0x9E3779B1 + g.index * 0x85EBCA77
+                                   + self.comm.rank * 0xC2B2AE3D) & 0xFFFFFFFF
         return dict(self.hyper, lr=float(pg["lr"]), betas=tuple(pg["betas"]), eps=float(pg["eps"]),
-                    weight_decay=float(pg["weight_decay"]), **step)
+                    weight_decay=float(pg["weight_decay"]), **step, **seed)
 
     # ------------------------------------------------------------ the state
 
@@ -165,9 +175,10 @@ class ShardedAdam(torch.optim.Optimizer):
         return [self.tier if i < offloaded else Tier.DEVICE for i in range(len(self.groups))]
 
     def _new_state(self, g: _Group, tier: Tier) -> GroupState:
-        make = {Tier.DEVICE: lambda: DeviceState(g.numel, self.store.device, slices=g.slices()),
-                Tier.CPU: lambda: HostState(g.numel, pin=self.pin),
-                Tier.NVME: lambda: NvmeState(g.numel, self.swap.swapper, f"optim/g{g.index}")}
+        mo = self.moments
+        make = {Tier.DEVICE: lambda: DeviceState(g.numel, self.store.device, slices=g.slices(), moments=mo),
+                Tier.CPU: lambda: HostState(g.numel, pin=self.pin, moments=mo),
+                Tier.NVME: lambda: NvmeState(g.numel, self.swap.swapper, f"optim/g{g.index}", moments=mo)}
         return make[tier]()
 
     def _init_state(self, ratio: float) -> None:
@@ -359,7 +370,8 @@ class ShardedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------ checkpoints
 
     def export_state(self, use) -> None:
-        """Call use(group, param, exp_avg, exp_avg_sq) for every group, with CPU fp32 views of its state.
+        """Call use(group, param, exp_avg, exp_avg_sq) for every group, with CPU views of its state (fp32
+        weights; moments in self.moments).
 
         `use` returns a function that waits until it is done with the views
         (its writes have landed); if `use` raises, it must have waited for
@@ -372,7 +384,8 @@ class ShardedAdam(torch.optim.Optimizer):
                                       lambda i, views: self.groups[i].state.export(self.groups[i], views, use))
 
     def import_state(self, fill, *, refresh: bool = True, keep_unfilled: bool = False) -> None:
-        """Replace every group's state: fill(group, param, exp_avg, exp_avg_sq) writes CPU fp32 views of it.
+        """Replace every group's state: fill(group, param, exp_avg, exp_avg_sq) writes CPU views of it (fp32
+        weights; moments in self.moments).
 
         With `keep_unfilled` the views start as the current state (it is read
         first: the pipeline's UPDATE instead of FILL), so what `fill` leaves

@@ -15,6 +15,7 @@ from infinity.config import Config
 from infinity.errors import ConfigError
 from infinity.io import AsyncIO
 from infinity.swap.pool import BufferPool
+from infinity.swap.state import MOMENT_DTYPES, state_bytes
 from infinity.swap.swapper import TensorSwapper
 from infinity.swap.tier import Tier
 
@@ -35,21 +36,24 @@ class SwapContext:
 
     @classmethod
     def for_optimizer(cls, cfg: Config, *, rank: int = 0, largest_group_numel: int | None = None) -> "SwapContext":
-        """One buffer holds a whole sub-group's [param | exp_avg | exp_avg_sq] in fp32 (12 B per parameter)."""
+        """One buffer holds a whole sub-group's [param | exp_avg | exp_avg_sq] (12 B per parameter; 8 with bf16
+        moments)."""
         off = cfg.zero_optimization.offload_optimizer
         if Tier(off.device) is not Tier.NVME:
             raise ValueError('SwapContext: zero_optimization.offload_optimizer.device is not "nvme"; nothing to swap')
         group = cfg.zero_optimization.sub_group_size if largest_group_numel is None else largest_group_numel
         if group < 1:
             raise ValueError(f"SwapContext: largest_group_numel must be >= 1, got {group}")
-        pool_bytes = off.buffer_count * 12 * group
+        per = state_bytes(MOMENT_DTYPES[off.moments_dtype])
+        pool_bytes = off.buffer_count * per * group
         budget = cfg.infinity.memory_budget
         if budget is not None and pool_bytes > budget:
             raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
-                              f"{off.buffer_count} buffers x 12 B x {group} parameters = {pool_bytes / 2**30:.2f} GiB "
+                              f"{off.buffer_count} buffers x {per} B x {group} parameters = "
+                              f"{pool_bytes / 2**30:.2f} GiB "
                               f"exceeds infinity.memory_budget ({budget / 2**30:.2f} GiB); lower buffer_count or "
                               "zero_optimization.sub_group_size")
-        return cls(directory=off.nvme_path, count=off.buffer_count, size=12 * group, cfg=cfg, pin=off.pin_memory,
+        return cls(directory=off.nvme_path, count=off.buffer_count, size=per * group, cfg=cfg, pin=off.pin_memory,
                    rank=rank)
 
     @classmethod

@@ -31,16 +31,25 @@ from infinity.swap.swapper import TensorSwapper
 from infinity.swap.tier import HOST, Tier
 
 
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""offload_optimizer.moments_dtype's spellings."""
+
+
+def state_bytes(moments: torch.dtype = torch.float32) -> int:
+    """Bytes of optimizer state per parameter: the fp32 master weight and two moments (12, or 8 with bf16)."""
+    return 4 + 2 * torch.empty((), dtype=moments).element_size()
+
+
 @dataclass(slots=True)
 class AdamViews:
-    """Views of one sub-group's state, each `numel` fp32 values on the state's device."""
+    """Views of one sub-group's state, each `numel` values on the state's device."""
 
     param: torch.Tensor
     """The fp32 master weights."""
     exp_avg: torch.Tensor
-    """Adam's first moment."""
+    """Adam's first moment (fp32, or bf16 with offload_optimizer.moments_dtype bf16)."""
     exp_avg_sq: torch.Tensor
-    """Adam's second moment."""
+    """Adam's second moment (the same dtype as exp_avg)."""
 
 
 class GroupState(abc.ABC):
@@ -57,8 +66,10 @@ class GroupState(abc.ABC):
         """What telemetry calls it."""
         return self.tier.value
 
-    def __init__(self, numel: int):
+    def __init__(self, numel: int, moments: torch.dtype = torch.float32):
         self.numel = numel
+        self.moments = moments
+        """The dtype exp_avg and exp_avg_sq are stored in."""
 
     @property
     def io_bytes(self) -> int:
@@ -104,11 +115,11 @@ class GroupState(abc.ABC):
         return out_lowp is not None
 
     def export(self, owner, views: AdamViews, use):
-        """Hand host fp32 views to `use(owner, p, m, v)`; returns its wait (see ShardedAdam.export_state)."""
+        """Hand host views to `use(owner, p, m, v)`; returns its wait (see ShardedAdam.export_state)."""
         return use(owner, views.param, views.exp_avg, views.exp_avg_sq)
 
     def import_(self, owner, views: AdamViews, fill) -> None:
-        """`fill(owner, p, m, v)` writes the new state into host fp32 views (see ShardedAdam.import_state)."""
+        """`fill(owner, p, m, v)` writes the new state into host views (see ShardedAdam.import_state)."""
         fill(owner, views.param, views.exp_avg, views.exp_avg_sq)
 
 
@@ -117,14 +128,15 @@ class HostState(GroupState):
 
     tier = Tier.CPU
 
-    def __init__(self, numel: int, device: torch.device | None = None, *, pin: bool = False):
-        super().__init__(numel)
+    def __init__(self, numel: int, device: torch.device | None = None, *, pin: bool = False,
+                 moments: torch.dtype = torch.float32):
+        super().__init__(numel, moments)
         self.pinned = pin
         """offload_optimizer.pin_memory where CUDA is: the master weights (copied to the device after each step)
         are page-locked, and so is the group's gradient buffer (filled from the device); the moments never
         cross, so they are not."""
         self.views = AdamViews(torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin),
-                               *(torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(2)))
+                               *(torch.zeros(numel, dtype=moments, device=device) for _ in range(2)))
 
     @property
     def device(self) -> torch.device:
@@ -145,8 +157,8 @@ class DeviceState(HostState):
 
     tier = Tier.DEVICE
 
-    def __init__(self, numel: int, device: torch.device, *, slices=()):
-        super().__init__(numel, device, pin=False)
+    def __init__(self, numel: int, device: torch.device, *, slices=(), moments: torch.dtype = torch.float32):
+        super().__init__(numel, device, pin=False, moments=moments)
         self.slices = list(slices)
         """(owner, lo, hi) of each parameter's shard in the group: the checkpoint staging unit."""
 
@@ -171,17 +183,17 @@ class DeviceState(HostState):
             return super().import_(owner, views, fill)
         for sub, lo, hi in self.slices:
             # From the current values: what fill leaves alone (a non-strict load) must stay as it is.
-            tmp = torch.stack([t[lo:hi] for t in (views.param, views.exp_avg, views.exp_avg_sq)]).to(HOST)
-            fill(sub, tmp[0], tmp[1], tmp[2])
+            tmp = [t[lo:hi].to(HOST) for t in (views.param, views.exp_avg, views.exp_avg_sq)]
+            fill(sub, *tmp)
             for dst, src in zip((views.param, views.exp_avg, views.exp_avg_sq), tmp):
                 dst[lo:hi].copy_(src)
 
 
 class NvmeState(GroupState):
-    """offload_optimizer nvme: one swap partition [param | exp_avg | exp_avg_sq] of 3n fp32 values.
+    """offload_optimizer nvme: one swap partition [param | exp_avg | exp_avg_sq] of n fp32 values and 2n moments.
 
-    The group moves in one read and one write of 12 bytes per parameter,
-    through one pool buffer of the swapper's pool. Between open() and
+    The group moves in one read and one write of 12 bytes per parameter (8
+    with bf16 moments), through one pool buffer of the swapper's pool. Between open() and
     close() that buffer is the group's; close(write=True) hands it to the
     write and the swapper's reaper gives it back (see [Note: who releases a
     swap-out buffer] in swapper.py).
@@ -189,16 +201,23 @@ class NvmeState(GroupState):
 
     tier = Tier.NVME
 
-    def __init__(self, numel: int, swapper: TensorSwapper, part_id: str):
-        super().__init__(numel)
+    def __init__(self, numel: int, swapper: TensorSwapper, part_id: str, *, moments: torch.dtype = torch.float32):
+        super().__init__(numel, moments)
         self.swapper = swapper
         self.id = part_id
         self._read = None  # the prefetched (or open()'s) read future
         self._blank = None  # the pool buffer open(blank=True) took, until close() hands it to the write
+        self._words = state_bytes(moments) * numel // 4
+        """The partition's length in fp32 words (it is swapped as fp32; the moments are viewed in their dtype)."""
 
     @property
     def io_bytes(self) -> int:
-        return 12 * self.numel
+        return 4 * self._words
+
+    def _views(self, state: torch.Tensor) -> AdamViews:
+        n = self.numel
+        moments = state[n:].view(self.moments)
+        return AdamViews(state[:n], moments[:n], moments[n:])
 
     @property
     def path(self) -> str:
@@ -220,15 +239,12 @@ class NvmeState(GroupState):
         return self._read is not None
 
     def open(self, *, blank: bool = False) -> AdamViews:
-        n = self.numel
         if blank:
             self._blank = self.swapper.pool.acquire(f"fill {self.id}")
-            state = self._blank.view(torch.float32, 3 * n)
-        else:
-            fut, self._read = self._read or self.swapper.swap_in(self.id), None
-            self.last_read = fut
-            state = fut.wait()  # a failed read has already given its buffer back
-        return AdamViews(state[:n], state[n:2 * n], state[2 * n:])
+            return self._views(self._blank.view(torch.float32, self._words))
+        fut, self._read = self._read or self.swapper.swap_in(self.id), None
+        self.last_read = fut
+        return self._views(fut.wait())  # a failed read has already given its buffer back
 
     def close(self, *, write: bool):
         sw = self.swapper
@@ -238,7 +254,7 @@ class NvmeState(GroupState):
                 sw.pool.release(buf)
                 return None
             try:
-                return sw.swap_out_buffer(self.id, buf, torch.float32, 3 * self.numel)
+                return sw.swap_out_buffer(self.id, buf, torch.float32, self._words)
             except BaseException:
                 if sw.registry[self.id].buffer is not buf:  # the swapper did not take it over
                     sw.pool.release(buf)
@@ -246,7 +262,7 @@ class NvmeState(GroupState):
         if not write:
             sw.release(self.id)
             return None
-        view = sw.registry[self.id].buffer.view(torch.float32, 3 * self.numel)
+        view = sw.registry[self.id].buffer.view(torch.float32, self._words)
         return sw.swap_out(self.id, view)
 
     def abandon(self) -> None:
@@ -278,10 +294,14 @@ class NvmeState(GroupState):
 
 
 def _device_adam(views: AdamViews, grad, *, step, lr, betas, eps, weight_decay, adamw, bias_correction,
-                 grad_scale):
-    """Adam on an accelerator: the same math as cpu_adam_step, in torch ops."""
+                 grad_scale, moment_rounding: str = "nearest", moment_seed: int = 0):
+    """Adam on an accelerator: the same math as cpu_adam_step, in torch ops (bf16 moments: updated in fp32,
+    stored with the kernel's rounding and, when stochastic, its random bits)."""
     grad = grad / grad_scale
     p, m, v = views.param, views.exp_avg, views.exp_avg_sq
+    low = m.dtype != torch.float32
+    if low:
+        m, v = m.float(), v.float()
     if not adamw and weight_decay:
         grad = grad.add(p, alpha=weight_decay)
     if adamw and weight_decay:
@@ -290,4 +310,41 @@ def _device_adam(views: AdamViews, grad, *, step, lr, betas, eps, weight_decay, 
     v.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
     bc1 = 1 - betas[0] ** step if bias_correction else 1.0
     bc2 = 1 - betas[1] ** step if bias_correction else 1.0
-    p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
+    if not low:
+        p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
+        return
+    p.addcdiv_(m, (v.sqrt() * (1 / math.sqrt(bc2))).add_(eps), value=-lr / bc1)
+    for dst, new, shift in ((views.exp_avg, m, 0), (views.exp_avg_sq, v, 16)):
+        if moment_rounding == "stochastic":
+            dst.copy_(bf16_stochastic(new, moment_seed, shift))
+        else:
+            dst.copy_(new)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def moment_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """native/cpu/adam.hpp's moment_bits in torch ops (int64 holding uint32 values), for any device."""
+    x = ((index * 0x9E3779B1) & _MASK32) ^ seed
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def bf16_stochastic(x: torch.Tensor, seed: int, shift: int, *, chunk: int = 1 << 24) -> torch.Tensor:
+    """fp32 -> bf16 as the CPU kernel rounds a moment: bits (moment_bits(seed, i) >> shift) & 0xffff added below
+    the kept 16 (shift 0 for exp_avg, 16 for exp_avg_sq); NaN becomes 0xffff. Works in chunks to bound the
+    int64 temporaries."""
+    flat = x.reshape(-1)
+    out = torch.empty(flat.numel(), dtype=torch.int16, device=x.device)
+    for lo in range(0, flat.numel(), chunk):
+        part = flat[lo:lo + chunk]
+        idx = torch.arange(lo, lo + part.numel(), dtype=torch.int64, device=x.device) & _MASK32
+        r = (moment_bits(seed, idx) >> shift) & 0xFFFF
+        u = part.view(torch.int32).to(torch.int64) & _MASK32
+        bits = ((u + r) >> 16).masked_fill_(torch.isnan(part), 0xFFFF)
+        out[lo:lo + part.numel()] = (bits - ((bits >> 15) << 16)).to(torch.int16)  # uint16 -> int16, same bits
+    return out.view(torch.bfloat16).view(x.shape)
