@@ -129,8 +129,9 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<Handle>(m, "Handle")
       .def(py::init([](const std::string& backend, size_t block_size, int queue_depth, int threads, bool direct,
-                       bool single_submit, bool overlap_events) {
+                       bool single_submit, bool overlap_events, size_t fd_cache) {
              HandleOptions o;
+             o.fd_cache = fd_cache;
              o.single_submit = single_submit;
              o.overlap_events = overlap_events;
              o.backend = backend_from(backend);
@@ -141,7 +142,7 @@ PYBIND11_MODULE(_native, m) {
              return std::make_unique<Handle>(o);
            }),
            py::arg("backend"), py::arg("block_size"), py::arg("queue_depth"), py::arg("threads"), py::arg("direct"),
-           py::arg("single_submit") = false, py::arg("overlap_events") = true)
+           py::arg("single_submit") = false, py::arg("overlap_events") = true, py::arg("fd_cache") = 1024)
       .def(
           "submit",
           [](Handle& h, bool write, uintptr_t ptr, size_t nbytes, const std::string& path, int64_t offset) {
@@ -155,7 +156,9 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("inflight", &Handle::inflight)
       .def_property_readonly("bytes_read", &Handle::bytes_read)
       .def_property_readonly("bytes_written", &Handle::bytes_written)
-      .def_property_readonly("submit_calls", &Handle::submit_calls);
+      .def_property_readonly("submit_calls", &Handle::submit_calls)
+      .def_property_readonly("files_opened", &Handle::files_opened)
+      .def_property_readonly("fds_cached", &Handle::fds_cached);
 
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
       .def(py::init<size_t, size_t>(), py::arg("nbytes"), py::arg("alignment") = 4096)

@@ -106,6 +106,11 @@ class AsyncIO:
             batch and waits for all of it before the next (DeepSpeed's
             aio.overlap_events). The threads and python backends make one
             blocking call per piece, so neither applies to them.
+        fd_cache: open file descriptors kept for reuse (native backends; at
+            most a quarter of the process's RLIMIT_NOFILE; 0 opens and closes
+            one per request). A file replaced on disk is
+            opened again; close() closes them all (see [Note: cached file
+            descriptors] in native/io/fd_cache.hpp).
 
     Argument errors raise ValueError at the call. I/O errors raise OSError
     (FileNotFoundError, PermissionError, ...) carrying `errno`, `filename`
@@ -114,8 +119,9 @@ class AsyncIO:
 
     def __init__(self, backend: str = "auto", block_size: int = 1 << 20, queue_depth: int = 32,
                  threads: int = 1, direct: bool = True, single_submit: bool = False,
-                 overlap_events: bool = True):
+                 overlap_events: bool = True, fd_cache: int = 1024):
         _check_int("block_size", block_size, 4096, 1 << 30)
+        _check_int("fd_cache", fd_cache, 0, 1 << 16)
         if block_size % 4096:
             raise ValueError(f"AsyncIO: block_size must be a multiple of 4096, got {block_size}")
         _check_int("queue_depth", queue_depth, 1, 4096)
@@ -147,7 +153,8 @@ class AsyncIO:
             self._impl = PythonHandle(block_size, queue_depth, threads)
         else:
             self._impl = native.Handle(backend, block_size, queue_depth, threads, direct,
-                                       single_submit=single_submit, overlap_events=overlap_events)
+                                       single_submit=single_submit, overlap_events=overlap_events,
+                                       fd_cache=fd_cache)
         self._lock = threading.Lock()
         self._pending: collections.deque[IOFuture] = collections.deque()
         self._prune_at = 256
@@ -259,8 +266,18 @@ class AsyncIO:
         """Batches handed to the kernel so far (None for the python backend, which has no queue)."""
         return getattr(self._impl, "submit_calls", None)
 
+    @property
+    def files_opened(self) -> int | None:
+        """Files opened so far (None for the python backend, which opens one per request)."""
+        return getattr(self._impl, "files_opened", None)
+
+    @property
+    def fds_cached(self) -> int:
+        """Open file descriptors held for reuse now."""
+        return getattr(self._impl, "fds_cached", 0)
+
     def close(self) -> None:
-        """Wait for everything in flight, then stop the workers. Safe to call twice."""
+        """Wait for everything in flight, stop the workers and close the cached fds. Safe to call twice."""
         self._impl.close()
         with self._lock:
             self._pending.clear()
@@ -274,7 +291,10 @@ class AsyncIO:
     def __del__(self):
         impl = getattr(self, "_impl", None)
         if impl is not None:
-            impl.close()
+            try:
+                impl.close()
+            except OSError:  # a deferred close error of a cached fd: nobody is left to raise it to
+                pass
 
     def __repr__(self) -> str:
         return (f"AsyncIO(backend={self.backend!r}, block_size={self.block_size}, "

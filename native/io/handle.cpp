@@ -34,12 +34,7 @@ bool transient(int64_t res) { return res == -EINTR || res == -EAGAIN; }
 Request::Request(Handle* handle, bool write, std::string path, int64_t offset, size_t nbytes)
     : handle_(handle), write_(write), path_(std::move(path)), offset_(offset), nbytes_(nbytes) {}
 
-Request::~Request() {
-  // Only reached after complete(), which closed the fds; this guards the
-  // paths where submit() failed before any chunk was queued.
-  if (fd_direct_ >= 0) ::close(fd_direct_);
-  if (fd_buffered_ >= 0) ::close(fd_buffered_);
-}
+Request::~Request() = default;  // a request that never ran lets go of its fds here
 
 bool Request::wait(double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
@@ -76,14 +71,20 @@ void Request::chunk_finished(const ErrorInfo* err) {
 
 void Request::complete() {
   // A deferred write error (e.g. on network filesystems) can show up at
-  // close(), so a failed close of a written fd fails the request.
-  for (int* fd : {&fd_direct_, &fd_buffered_}) {
-    if (*fd < 0) continue;
-    if (::close(*fd) != 0 && write_ && errno != EINTR) {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (error_.err == 0) error_ = make_error(errno, path_, offset_, "close after write failed");
+  // close(), so when this request is the last holder of a written fd (not
+  // cached), it closes it here and a failed close fails the request. A
+  // cached fd closes later (see [Note: cached file descriptors]).
+  for (std::shared_ptr<OpenFile>* f : {&file_direct_, &file_buffered_}) {
+    if (!*f) continue;
+    if (f->use_count() == 1 && (*f)->fd >= 0) {
+      int fd = (*f)->fd;
+      (*f)->fd = -1;
+      if (::close(fd) != 0 && write_ && errno != EINTR) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (error_.err == 0) error_ = make_error(errno, path_, offset_, "close after write failed");
+      }
     }
-    *fd = -1;
+    f->reset();
   }
   bool ok;
   {
@@ -324,7 +325,7 @@ void Handle::Worker::release_bounce(Chunk* c) {
 
 // ---------------------------------------------------------------- Handle
 
-Handle::Handle(const HandleOptions& opts) : opts_(opts) {
+Handle::Handle(const HandleOptions& opts) : opts_(opts), fds_(opts.fd_cache) {
   if (opts.block_size == 0 || opts.block_size % 4096 != 0 || opts.block_size > kMaxBlock)
     throw ArgumentError("block_size must be a multiple of 4096 in [4096, 1 GiB], got " +
                         std::to_string(opts.block_size));
@@ -355,9 +356,14 @@ Handle::Handle(const HandleOptions& opts) : opts_(opts) {
   }
 }
 
-Handle::~Handle() { close(); }
+Handle::~Handle() { shutdown(); }  // a close error here has no one to go to
 
 void Handle::close() {
+  ErrorInfo e = shutdown();
+  if (e.err != 0) throw IoError(e);
+}
+
+ErrorInfo Handle::shutdown() {
   // Serialised, so a second caller returns only once the workers are gone.
   std::lock_guard<std::mutex> serial(close_mu_);
   {
@@ -367,14 +373,16 @@ void Handle::close() {
     closed_.store(true);
   }
   wait_all();
+  ErrorInfo closed_with = fds_.clear();  // no request holds an fd any more: every cached one closes now
   {
     std::lock_guard<std::mutex> lk(queue_mu_);
-    if (stopping_) return;
+    if (stopping_) return closed_with;
     stopping_ = true;
   }
   queue_cv_.notify_all();
   for (auto& w : workers_)
     if (w->thread.joinable()) w->thread.join();
+  return closed_with;
 }
 
 void Handle::wait_all() {
@@ -439,9 +447,9 @@ void Handle::plan(Request& req, char* buf) {
   const size_t n = req.nbytes_;
 
   auto open_or_throw = [&](bool direct) {
-    int fd = open_file(path, req.write_, direct);
-    if (fd >= 0) return fd;
-    int err = -fd;
+    int err = 0;
+    std::shared_ptr<OpenFile> f = fds_.get(path, req.write_, direct, &err);
+    if (f) return f;
     std::string what = std::string("cannot open for ") + (req.write_ ? "writing" : "reading");
     if (direct && err == EINVAL)
       what += ": the filesystem does not support O_DIRECT; pass direct=False or use a directory on a "
@@ -449,11 +457,12 @@ void Handle::plan(Request& req, char* buf) {
     throw IoError(make_error(err, path, off, what));
   };
 
-  int fd_main = open_or_throw(opts_.direct);
-  (opts_.direct ? req.fd_direct_ : req.fd_buffered_) = fd_main;
+  std::shared_ptr<OpenFile> main_file = open_or_throw(opts_.direct);
+  (opts_.direct ? req.file_direct_ : req.file_buffered_) = main_file;
+  const int fd_main = main_file->fd;
   size_t align = 1;
   if (opts_.direct) {
-    align = direct_alignment(fd_main);
+    align = main_file->align;  // found once per open file
     if (align == 0)
       throw IoError(make_error(EINVAL, path, off,
                                "the filesystem does not support O_DIRECT; pass direct=False"));
@@ -496,10 +505,14 @@ void Handle::plan(Request& req, char* buf) {
     add(start, end, fd_main, 1);
     return;
   }
-  if (start < mid_lo || mid_hi < end) req.fd_buffered_ = open_or_throw(false);
-  if (start < mid_lo) add(start, mid_lo, req.fd_buffered_, 1);
+  int fd_buffered = -1;
+  if (start < mid_lo || mid_hi < end) {
+    req.file_buffered_ = open_or_throw(false);
+    fd_buffered = req.file_buffered_->fd;
+  }
+  if (start < mid_lo) add(start, mid_lo, fd_buffered, 1);
   add(mid_lo, mid_hi, fd_main, align);
-  if (mid_hi < end) add(mid_hi, end, req.fd_buffered_, 1);
+  if (mid_hi < end) add(mid_hi, end, fd_buffered, 1);
 }
 
 // The data flow of one worker: gather -> prepare -> submit -> reap -> settle

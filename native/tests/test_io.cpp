@@ -208,6 +208,72 @@ static void lifetimes(Backend b) {
   }
 }
 
+static int open_fds() {
+  int n = 0;
+  for (int fd = 0; fd < 4096; ++fd) n += ::fcntl(fd, F_GETFD) != -1;
+  return n;
+}
+
+// [Note: cached file descriptors]: one open per file, bounded, right after a replace, all closed at close().
+static void fd_cache(Backend b) {
+  const int fds_before = open_fds();
+  {
+    HandleOptions o = opts(b);
+    o.fd_cache = 4;
+    Handle h(o);
+    const std::string path = g_dir + "/cached.bin";
+    std::vector<char> a = random_bytes(1 << 16, 1), got(1 << 16);
+    for (int i = 0; i < 10; ++i) {
+      auto w = h.submit(true, a.data(), a.size(), path, 0);
+      w->wait(-1);
+      CHECK(w->result() == a.size());
+      auto r = h.submit(false, got.data(), got.size(), path, 0);
+      r->wait(-1);
+      CHECK(r->result() == got.size());
+    }
+    CHECK(h.files_opened() == 2);  // one write fd, one read fd, for 20 requests
+    CHECK(std::memcmp(a.data(), got.data(), a.size()) == 0);
+    // Replaced by a rename, as a swap file rewritten elsewhere would be: the new bytes are read.
+    std::vector<char> c = random_bytes(1 << 16, 2);
+    const std::string other = g_dir + "/cached.new";
+    int fd = ::open(other.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && ::write(fd, c.data(), c.size()) == static_cast<ssize_t>(c.size()) && ::close(fd) == 0);
+    CHECK(::rename(other.c_str(), path.c_str()) == 0);
+    auto r = h.submit(false, got.data(), got.size(), path, 0);
+    r->wait(-1);
+    CHECK(r->result() == got.size() && std::memcmp(c.data(), got.data(), c.size()) == 0);
+    // Removed and written again: the write goes to the new file, not the unlinked inode.
+    CHECK(::unlink(path.c_str()) == 0);
+    auto w = h.submit(true, a.data(), a.size(), path, 0);
+    w->wait(-1);
+    CHECK(w->result() == a.size());
+    struct stat st;
+    CHECK(::stat(path.c_str(), &st) == 0 && st.st_size == static_cast<off_t>(a.size()));
+    // Bounded: 12 files through a cache of 4.
+    for (int i = 0; i < 12; ++i) {
+      auto x = h.submit(true, a.data(), 4096, g_dir + "/many" + std::to_string(i), 0);
+      x->wait(-1);
+      CHECK(x->result() == 4096);
+    }
+    CHECK(h.fds_cached() <= 4);
+    CHECK(open_fds() <= fds_before + 4 + 2 * o.threads + 8);  // the cache plus the engines' own fds
+    h.close();
+    CHECK(h.fds_cached() == 0);
+  }
+  CHECK(open_fds() == fds_before);  // nothing leaked
+  // fd_cache = 0: every request opens (and closes) its own.
+  HandleOptions o = opts(b);
+  o.fd_cache = 0;
+  Handle h(o);
+  std::vector<char> a = random_bytes(4096, 3);
+  for (int i = 0; i < 3; ++i) {
+    auto w = h.submit(true, a.data(), a.size(), g_dir + "/uncached.bin", 0);
+    w->wait(-1);
+    CHECK(w->result() == a.size());
+  }
+  CHECK(h.files_opened() == 3 && h.fds_cached() == 0);
+}
+
 int main() {
   char tmpl[] = "/var/tmp/infinity-native-test.XXXXXX";
   const char* dir = ::mkdtemp(tmpl);
@@ -233,6 +299,7 @@ int main() {
     many_in_flight(b);
     lifetimes(b);
     close_race(b);
+    fd_cache(b);
     std::printf("%s: %s\n", backend_name(b), g_failures == before ? "ok" : "FAILED");
   }
   std::string cmd = "rm -rf '" + g_dir + "'";

@@ -256,3 +256,46 @@ def test_submit_knobs_must_be_bools():
         AsyncIO(single_submit="true")
     with pytest.raises(ValueError, match="overlap_events must be True or False"):
         AsyncIO(overlap_events=1)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_native_handles_cache_their_fds_and_see_a_replaced_file(native_backend, disk_dir):
+    """[Note: cached file descriptors]: one open per file however many requests, a file renamed over is read
+    anew, a removed one is written anew, and close() leaves no fd open."""
+    before = _open_fds()
+    path = str(disk_dir / "cached.bin")
+    a = torch.arange(16384, dtype=torch.int32)
+    got = torch.zeros_like(a)
+    with AsyncIO(backend=native_backend) as io:
+        for _ in range(10):
+            io.pwrite(a, path).wait()
+            io.pread(got, path).wait()
+        assert io.files_opened == 2 and io.fds_cached == 2  # one write fd, one read fd, for 20 requests
+        assert torch.equal(got, a)
+        b = a * 3
+        b.numpy().tofile(str(disk_dir / "new.bin"))
+        os.replace(disk_dir / "new.bin", path)
+        io.pread(got, path).wait()
+        assert torch.equal(got, b)
+        os.unlink(path)
+        io.pwrite(a, path).wait()
+        assert os.path.getsize(path) == a.numel() * 4 and torch.equal(torch.from_file(path, size=a.numel(),
+                                                                                      dtype=torch.int32), a)
+    assert io.fds_cached == 0 and _open_fds() == before
+
+
+def test_the_fd_cache_is_bounded_and_can_be_off(native_backend, disk_dir):
+    a = torch.ones(1024, dtype=torch.int32)
+    with AsyncIO(backend=native_backend, fd_cache=3) as io:
+        for i in range(10):
+            io.pwrite(a, str(disk_dir / f"f{i}")).wait()
+        assert io.fds_cached == 3 and io.files_opened == 10
+    with AsyncIO(backend=native_backend, fd_cache=0) as io:
+        for _ in range(4):
+            io.pwrite(a, str(disk_dir / "f0")).wait()
+        assert io.fds_cached == 0 and io.files_opened == 4
+    with pytest.raises(ValueError, match=r"AsyncIO: fd_cache must be in \[0, 65536\], got -1"):
+        AsyncIO(backend=native_backend, fd_cache=-1)
