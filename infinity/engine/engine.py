@@ -587,22 +587,36 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
     zero = cfg.zero_optimization
     params = {id(p): p for p in model.parameters()}
     part = {k: math.ceil(p.numel() / world) for k, p in params.items()}
-    param_bytes = opt_bytes = 0
+    # [Note: swap files during setup] While the optimizer writes its first state, each sub-group's fp32
+    # parameter files (from zero_init, or adopted now) are removed as the group's compute-dtype copies are
+    # written, after its state: the fp32 files and the copies never coexist beyond one sub-group. So a
+    # filesystem holding both needs the larger of "every fp32 file" and "every copy plus the optimizer
+    # state", less what the files already written under zero_init take now (free space excludes them).
+    fp32_files = existing = final = opt_bytes = 0
     if store.tier is Tier.NVME:
         compute = torch.empty((), dtype=store.dtype).element_size()
         for k, p in params.items():
-            if managed(p) is None and (k in trained or p.is_floating_point()):
-                param_bytes += 4 * part[k]  # adopted now, in fp32
-            if compute != 4:
-                param_bytes += compute * part[k]  # the compute-dtype copy written after each step (or frozen)
+            mp = managed(p)
+            if mp is None:
+                if k in trained or p.is_floating_point():
+                    fp32_files += 4 * part[k]  # adopted now, in fp32
+            elif mp.home is store.nvme and not mp.unwritten:
+                fp32_files += 4 * part[k]
+                existing += 4 * part[k]
+        # fp32 compute keeps the fp32 files (with alias mode they are removed once the optimizer file holds
+        # the shards: counting them is conservative).
+        final = sum(compute * part[k] for k in params) if compute != 4 else fp32_files
     if Tier(zero.offload_optimizer.device) is Tier.NVME:
         opt_bytes = state_bytes(MOMENT_DTYPES[zero.offload_optimizer.moments_dtype]) * sum(part[k] for k in trained)
-    need: dict = {}
-    for slot, path, n in ((1, zero.offload_param.nvme_path, param_bytes),
-                          (2, zero.offload_optimizer.nvme_path, opt_bytes)):
-        if n:
-            entry = need.setdefault(os.stat(path).st_dev, [path, 0, 0])  # one filesystem: one sum
-            entry[slot] += n
+    need: dict = {}  # filesystem -> [a path on it, bytes for parameters, bytes for the optimizer]
+    p_dev = os.stat(zero.offload_param.nvme_path).st_dev if fp32_files else None
+    o_dev = os.stat(zero.offload_optimizer.nvme_path).st_dev if opt_bytes else None
+    if o_dev is not None:
+        need[o_dev] = [zero.offload_optimizer.nvme_path, 0, opt_bytes]
+    if p_dev is not None:
+        entry = need.setdefault(p_dev, [zero.offload_param.nvme_path, 0, 0])
+        together = entry[2]  # the optimizer's bytes, when it shares the filesystem
+        entry[1] = max(0, max(fp32_files, final + together) - together - existing)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host share its disks
     for path, p_bytes, o_bytes in need.values():
         p_bytes, o_bytes = p_bytes * local, o_bytes * local

@@ -49,6 +49,10 @@ PRESETS = {
     "gpt-350m": GPTConfig(vocab=8192, seq=1024, layers=24, dim=1088, heads=16, checkpoint=True),
     "gpt-1b": GPTConfig(vocab=8192, seq=1024, layers=24, dim=1856, heads=16, checkpoint=True),
     "gpt-2b": GPTConfig(vocab=8192, seq=1024, layers=32, dim=2304, heads=16, checkpoint=True),
+    # 4.0B and 6.0B: the largest that this project's 79 GB test disk holds with fp32 moments (14 B/param of
+    # swap files in bf16) and with bf16 moments (10 B/param).
+    "gpt-4b": GPTConfig(vocab=8192, seq=1024, layers=40, dim=2880, heads=20, checkpoint=True),
+    "gpt-6b": GPTConfig(vocab=8192, seq=1024, layers=48, dim=3200, heads=25, checkpoint=True),
 }
 
 

@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default=None,
                    help="swap config (default: the shipped nvme_offload.json: parameters and optimizer on NVMe)")
     p.add_argument("--model", default="gpt-small",
-                   help="a preset (gpt-tiny, gpt-small, gpt-25m, gpt-57m, gpt-100m, gpt-125m, gpt-350m, gpt-1b, gpt-2b) or a Hugging Face "
+                   help="a preset (gpt-tiny, gpt-small, gpt-25m, gpt-57m, gpt-100m, gpt-125m, gpt-350m, gpt-1b, gpt-2b, gpt-4b, gpt-6b) or a Hugging Face "
                         "config.json (no download)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's, at most 256)")

@@ -248,6 +248,13 @@ def test_a_model_too_big_for_the_disk_fails_before_writing_and_leaves_nothing(tm
                              "the swap files of this host's ranks need 784 (196 for parameters, 588 for the optimizer); free space "
                              "there or point nvme_path at a bigger disk")
     assert not any(nvme.rglob("*.swp")) and not [f for f in nvme.rglob("*") if f.is_file()]
+    # bf16 with bf16 moments: 2 B/param of compute copies (the fp32 files go as the copies are written, see
+    # [Note: swap files during setup]) and 8 B/param of optimizer state.
+    cfg["bf16"] = {"enabled": True}
+    cfg["zero_optimization"]["offload_optimizer"]["moments_dtype"] = "bf16"
+    with pytest.raises(ConfigError, match=r"need 490 \(98 for parameters, 392 for the optimizer\)"):
+        initialize(Tiny(), cfg)
+    assert not [f for f in nvme.rglob("*") if f.is_file()]
 
 
 def test_a_scheduler_built_on_the_torch_optimizer_drives_the_engine():

@@ -157,6 +157,7 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
     shard = math.ceil(shape.numel / world)
     largest_shard = math.ceil(shape.largest / world)
     e = lowp_bytes(precision)
+    sb = optimizer_state_bytes(base)
     full_grads = clipping or grad_accum > 1 or precision == "fp16"  # then every gradient waits in RAM
     act = activation_bytes(shape, micro, precision)
     # Gathered at once: the biggest module's full parameters and their gradients, in the compute dtype.
@@ -170,8 +171,8 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
     # 4 B/param of them, training e B/param.
     candidates = [
         # master + m + v beside the parameters
-        Placement(param_tier="none", optimizer_tier="cpu", state_bytes=shard * (12 + e),
-                  setup_state_bytes=shard * (12 + e), pools=None),
+        Placement(param_tier="none", optimizer_tier="cpu", state_bytes=shard * (sb + e),
+                  setup_state_bytes=shard * (sb + e), pools=None),
         Placement(param_tier="none", optimizer_tier="nvme", state_bytes=shard * e, setup_state_bytes=shard * 4,
                   pools="opt"),
         Placement(param_tier="nvme", optimizer_tier="nvme", state_bytes=0, setup_state_bytes=0, pools="both"),
@@ -191,7 +192,7 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
             reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)} needs {format_size_h(need)} "
                            f"before any swap buffer")
             continue
-        sizing = _size_pools(c.pools, left, shape, shard, largest_shard, full_grads)
+        sizing = _size_pools(c.pools, left, shape, shard, largest_shard, full_grads, sb)
         if sizing is None:
             reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)}: the {format_size_h(left)} left "
                            f"cannot hold the smallest working set of buffers")
@@ -209,7 +210,7 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
             reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)}: needs {format_size_h(peak)} "
                            f"with its buffers")
             continue
-        reads, writes = io_bytes(ptier, otier, shard, precision)
+        reads, writes = io_bytes(ptier, otier, shard, precision, sb)
         t = step_time(shape, rates, micro=micro, shard=shard, reads=reads, writes=writes, param_tier=ptier,
                       checksums=bool((base or {}).get("infinity", {}).get("checksums", True)), world=world)
         cfg = _config(base, c, sizing, nvme_path=nvme_path, budget=budget, precision=precision, micro=micro,
@@ -236,7 +237,7 @@ def format_size_h(n: float) -> str:
 
 
 def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, largest_shard: int,
-                full_grads: bool) -> PoolSizing | None:
+                full_grads: bool, sb: int = 12) -> PoolSizing | None:
     """The buffers and sub-groups for a placement needing `pools` (Placement.pools), or None when nothing
     workable fits in `left` bytes.
 
@@ -254,7 +255,7 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
     psize = largest_shard
     layer = max(math.ceil(shape.numel / max(shape.layers, 1) / max(math.ceil(shape.numel / shard), 1)), 1)
     pbufs = pbytes = 0
-    min_opt = int((min(OPT_BUFFERS) * 12 + grads) * max(largest_shard, 1))
+    min_opt = int((min(OPT_BUFFERS) * sb + grads) * max(largest_shard, 1))
     if pools == "both":
         # The least that works first (MIN_PARAM_BUFFERS, and 3 optimizer buffers of the largest shard); then
         # up to two layers of prefetch, from at most a third of what remains beyond that.
@@ -271,7 +272,7 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
     # Optimizer sub-groups: as large as the rest allows with the most buffers, never smaller than the largest
     # shard (sub-groups do not split a parameter) and never beyond 64M elements or the whole shard.
     for obufs in OPT_BUFFERS:
-        group = min(int(rest // (12 * obufs + grads)), 1 << 26, shard)
+        group = min(int(rest // (sb * obufs + grads)), 1 << 26, shard)
         if group >= max(largest_shard, 1):
             break
     else:
@@ -280,17 +281,24 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
     prefetch = max(psize, (pbufs - 1) * psize) if pools == "both" else 0
     inflight = int(min(grads * group, grads / 2 * shard))  # two sub-groups, or the whole shard if smaller
     return PoolSizing(param_buffer_count=pbufs or 1, param_buffer_size=psize, optimizer_buffer_count=obufs,
-                      sub_group_size=group, prefetch_bucket=int(prefetch), pool_bytes=pbytes + obufs * 12 * group,
+                      sub_group_size=group, prefetch_bucket=int(prefetch), pool_bytes=pbytes + obufs * sb * group,
                       inflight_grad_bytes=inflight)
 
 
-def io_bytes(ptier: str, otier: str, shard: int, precision: str) -> tuple[int, int]:
-    """Bytes read and written per step per rank (see issue 5's I/O volume: 32 B/param fp32, 30 bf16)."""
+def optimizer_state_bytes(base: dict | None) -> int:
+    """Optimizer state per parameter under config `base`: 12 B, or 8 with offload_optimizer.moments_dtype bf16."""
+    moments = ((base or {}).get("zero_optimization", {}).get("offload_optimizer", {}) or {}).get("moments_dtype")
+    return 8 if moments == "bf16" else 12
+
+
+def io_bytes(ptier: str, otier: str, shard: int, precision: str, sb: int = 12) -> tuple[int, int]:
+    """Bytes read and written per step per rank (see issue 5's I/O volume: 32 B/param fp32, 30 bf16; sb 8 with
+    bf16 moments)."""
     e = lowp_bytes(precision)
     reads = writes = 0
     if otier == "nvme":
-        reads += 12 * shard     # master, m, v
-        writes += 12 * shard
+        reads += sb * shard     # master, m, v
+        writes += sb * shard
     if ptier == "nvme":
         reads += 2 * e * shard  # forward and backward (fp32: slices of the optimizer's files)
         if precision != "fp32":
