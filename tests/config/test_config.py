@@ -17,7 +17,7 @@ SHIPPED = sorted((ROOT / "swap_configs").glob("*.json"))
 
 def test_three_configs_are_shipped():
     assert {p.name for p in SHIPPED} == {"cpu_offload.json", "nvme_offload.json", "nvme_optimizer_only.json",
-                                          "huge_2b.json"}
+                                          "huge_2b.json", "huge_bf16_moments.json"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
