@@ -151,6 +151,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("path"), py::arg("offset"),
           py::call_guard<py::gil_scoped_release>())
       .def("wait_all", &Handle::wait_all, py::call_guard<py::gil_scoped_release>())
+      .def("forget", &Handle::forget, py::arg("path"), py::call_guard<py::gil_scoped_release>())
       .def("close", &Handle::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Handle::closed)
       .def_property_readonly("inflight", &Handle::inflight)

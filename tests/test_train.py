@@ -68,7 +68,7 @@ def test_train_saves_and_resumes_bit_exactly(tmp_path, disk_dir):
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "gpt-huge"], "--model 'gpt-huge': not a preset (gpt-tiny, gpt-small, gpt-25m, gpt-57m, gpt-125m, "
-                              "gpt-100m, gpt-350m, gpt-1b, gpt-2b) nor an existing config.json file"),
+                              "gpt-100m, gpt-350m, gpt-1b, gpt-2b, gpt-4b, gpt-6b) nor an existing config.json file"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
     (["--memory-budget", "1MiB"], "--memory-budget 1.00 MiB: no placement of gpt-small"),

@@ -276,6 +276,13 @@ class AsyncIO:
         """Open file descriptors held for reuse now."""
         return getattr(self._impl, "fds_cached", 0)
 
+    def forget(self, path) -> None:
+        """Drop the cached fds of `path`. Call it before removing a file this handle wrote or read: a cached fd
+        keeps the removed file's blocks allocated until it closes."""
+        f = getattr(self._impl, "forget", None)
+        if f is not None:
+            f(os.fspath(path))
+
     def close(self) -> None:
         """Wait for everything in flight, stop the workers and close the cached fds. Safe to call twice."""
         self._impl.close()

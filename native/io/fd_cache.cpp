@@ -95,6 +95,19 @@ std::shared_ptr<OpenFile> FdCache::get(const std::string& path, bool write, bool
   return f;
 }
 
+void FdCache::forget(const std::string& path) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (const char* kind : {"rd", "rb", "wd", "wb"}) {
+    std::string key = path;
+    key.push_back('\0');
+    key += kind;
+    auto it = index_.find(key);
+    if (it == index_.end()) continue;
+    lru_.erase(it->second);
+    index_.erase(it);
+  }
+}
+
 ErrorInfo FdCache::clear() {
   {
     std::lock_guard<std::mutex> lk(mu_);

@@ -12,7 +12,9 @@
 // the cached fd's, so a file renamed over or removed and re-created is
 // opened again (the old fd closes once the requests using it finish). A
 // file truncated in place keeps its inode and its fd, which sees the new
-// size. Handle::close() closes every fd. Because a cached fd of a written
+// size. A cached fd keeps a removed file's blocks allocated, so code that
+// removes a file it wrote calls Handle::forget(path) first (the swapper
+// does); Handle::close() closes every fd. Because a cached fd of a written
 // file is closed later than its request, an error that close() reports
 // (possible on network filesystems) is kept and raised by Handle::close(),
 // not by the request; local filesystems report write errors at completion.
@@ -61,6 +63,10 @@ class FdCache {
   // when the capacity is > 0). Returns nullptr and sets *err to an errno on
   // failure.
   std::shared_ptr<OpenFile> get(const std::string& path, bool write, bool direct, int* err);
+
+  // Drops the entries of `path` (call before removing the file, so that its
+  // space is freed once the requests using it finish, not at close()).
+  void forget(const std::string& path);
 
   // Drops every entry (fds close once no request holds them). Returns the
   // first close error of a written fd since the last clear(), if any.

@@ -94,6 +94,8 @@ class Handle {
   // Argument and open errors throw here; I/O errors surface from the Request.
   std::shared_ptr<Request> submit(bool write, void* buf, size_t nbytes, const std::string& path, int64_t offset);
   void wait_all();
+  // Drops the cached fds of `path` (see [Note: cached file descriptors]).
+  void forget(const std::string& path) { fds_.forget(path); }
   // Waits for everything in flight, stops the workers and closes the cached
   // fds. Idempotent. Throws IoError if closing a written file's cached fd
   // failed (see [Note: cached file descriptors]).
