@@ -50,6 +50,9 @@ class StepReport:
     optimizer_s: float
     param_fetches: int
     prefetch_hits: int
+    param_lent: int
+    """Fetches served from the optimizer's master weights instead of a read (see [Note: backward reads from
+    the state] in optimizer.py)."""
     param_stall_s: float
     """Exposed parameter I/O: time forward/backward waited on shard reads."""
     optimizer_io_wait_s: float
@@ -130,6 +133,9 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         self._check_open()
+        # Whether the backward after this forward steps during it: its reads may start as forward ends.
+        self.optimizer.expect_step(torch.is_grad_enabled() and self._can_step_during_backward()
+                                   and self._next_is_boundary())
         if self.store.scheduler is not None:
             self.store.scheduler.begin_step()
         args, kwargs = _cast_floats((args, kwargs), self.store.dtype, self.store.device)
@@ -155,6 +161,10 @@ class Engine:
         overlap = self._can_step_during_backward() and self._next_is_boundary() and not retain_graph
         if overlap:
             self.optimizer.begin_overlapped_step()
+        else:
+            self.optimizer.expect_step(False)
+        if self.store.scheduler is not None:
+            self.store.scheduler.backward_begins()
         try:
             with self._span("backward"), self.hooks.saved_tensors():
                 scaled.backward(retain_graph=retain_graph)
@@ -290,7 +300,7 @@ class Engine:
             step=self.global_steps + self.skipped_steps, skipped=overflow, loss_scale=self.scaler.scale,
             grad_norm=norm, step_s=t1 - self._t_last, optimizer_s=t1 - t0,
             param_fetches=sum(s.fetches for s in fs), prefetch_hits=sum(s.hits for s in fs),
-            param_stall_s=sum(s.stall_s for s in fs), optimizer_io_wait_s=stats.io_wait_s,
+            param_lent=sum(s.lent for s in fs), param_stall_s=sum(s.stall_s for s in fs), optimizer_io_wait_s=stats.io_wait_s,
             param_read_bytes=sum(s.bytes_read for s in fs), optimizer_read_bytes=stats.bytes_read,
             optimizer_write_bytes=stats.bytes_written,
             param_write_bytes=self._param_bytes_written() - self._param_written_mark,

@@ -36,6 +36,30 @@ stepped (reentrant checkpointing that shares a parameter with code outside
 the checkpoint) is an error. With clipping or fp16, the step runs after
 backward, over all groups, from gradients kept in RAM.
 
+[Note: backward reads from the state]
+A parameter shard is the compute-dtype rounding of its master weight (the
+kernel writes it in the same pass, round-to-nearest-even as torch rounds),
+and the master cannot change between two steps: gathered_parameters refuses
+to modify a trained parameter after initialize. So wherever a sub-group's
+master is in host memory anyway, the prefetch scheduler takes a shard from
+it (`lend`) instead of reading the shard's own file: from a CPU-tier state
+always, and from an NVMe state once its read for the step during backward
+has started. That read is started by the first backward-phase fetch or
+prefetch of any of the group's parameters, not by its first gradient, so the
+same 12 B/param read feeds both backward's use of the weights and Adam: a
+step moves 4 (forward) + 12 + 12 B/param in fp32, 2 + 12 + 12 + 2 in bf16,
+instead of reading every weight a second time. The prefetch scheduler reads
+ahead across the turn from forward to backward, so backward-phase prefetches
+are issued while forward still runs, before the step begins: the engine says
+at each forward whether the coming backward will step (`expect_step`), and
+if so those reads start early and the step adopts them when it begins. An
+early read nobody adopted (a forward without that backward) is dropped at
+the next forward, step, export or import. A read takes a buffer only when
+one is free beyond the critical path's (`reserve=1`); when none is, the
+shard is read from its file as before. A group already stepped lends
+nothing (its master is the next step's), nor does a state on an
+accelerator.
+
 [Note: parameter groups]
 `param_groups` are torch's: one dict per group the user passed to
 initialize (`params`, `lr`, `weight_decay`, `betas`, `eps`), so torch's lr
@@ -115,6 +139,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.step_count = 0
         self.groups = self._plan(self.managed_groups(), cfg.zero_optimization.sub_group_size)
         self.group_of = {id(mp): g for g in self.groups for mp in g.params}
+        self._offset_of = {id(mp): off for g in self.groups for mp, off in zip(g.params, g.offsets)}
         self.lowp = None
         if store.dtype != torch.float32:
             biggest = max((g.numel for g in self.groups), default=0)
@@ -123,10 +148,13 @@ class ShardedAdam(torch.optim.Optimizer):
                                     pin_memory=off.pin_memory and torch.cuda.is_available())
         self.swap = swap
         self._pipe: StatePipeline | None = None  # the step during backward's, between begin and end
+        self._expecting = False  # the coming backward steps: backward-phase fetches may start its reads
+        self._early: list[GroupState] = []  # state reads started for that step before it began
         self.trace = None  # a telemetry.Trace (infinity.trace_path): the pipelines add their spans to it
         self._overlap_sq = 0.0
         store.grad_for = self.grad_for
         store.grad_ready = self.grad_ready
+        store.lend = self.lend
         self._init_state(off.ratio)
 
     @property
@@ -238,6 +266,33 @@ class ShardedAdam(torch.optim.Optimizer):
                 self._pipe.ahead(g.state)  # its state is read while backward goes on
         return mp.grad
 
+    def lend(self, mp, *, backward: bool = False):
+        """mp's fp32 master weights from its group's state, if they are in host memory or on their way (see
+        [Note: backward reads from the state]): a future whose wait() gives a host view, or None. A fetch for
+        backward (`backward`) of the step's backward starts the read Adam will use, if a buffer is free."""
+        g = self.group_of.get(id(mp))
+        if g is None or g.stepped:
+            return None
+        if backward:
+            if self._pipe is not None:
+                self._pipe.ahead(g.state)
+            elif self._expecting and g.state not in self._early:
+                g.state.prefetch(reserve=1)
+                if g.state.ready():
+                    self._early.append(g.state)
+        return g.state.lend(self._offset_of[id(mp)], mp.part)
+
+    def expect_step(self, coming: bool) -> None:
+        """At each forward: whether the backward after it will step during backward. Drops the reads an
+        earlier forward started for a step that did not come."""
+        self._drop_early()
+        self._expecting = coming
+
+    def _drop_early(self) -> None:
+        early, self._early = self._early, []
+        for state in early:
+            state.abandon()
+
     def _new_grad(self, g: _Group) -> None:
         g.grad = torch.zeros(g.numel, dtype=torch.float32, device=g.state.device, pin_memory=g.state.pinned)
         for p, off in zip(g.params, g.offsets):
@@ -274,6 +329,10 @@ class ShardedAdam(torch.optim.Optimizer):
         self._overlap_sq = 0.0
         # reserve 1: a read started on a group's first gradient leaves the critical path a buffer.
         self._pipe = StatePipeline(Mode.UPDATE, reserve=1, trace=self.trace)
+        self._expecting = False
+        early, self._early = self._early, []
+        for state in early:  # read since forward's prefetch crossed into backward: the step's now
+            self._pipe.ahead(state)
         for g in self.groups:
             g.waiting = len(g.params)
             g.stepped = False
@@ -313,6 +372,8 @@ class ShardedAdam(torch.optim.Optimizer):
     def cancel_overlapped_step(self) -> None:
         """Backward failed part-way: let what the step started finish, and hand every buffer back. Groups
         already stepped keep their new state; the others keep the old."""
+        self._expecting = False
+        self._drop_early()
         if self._pipe is not None:
             self._pipe.abandon()
             self._pipe = None
@@ -327,6 +388,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
         Returns (overflowed, grad_norm, StepStats). An overflow anywhere skips the step everywhere.
         """
+        self.expect_step(False)
         grads = self._grads()
         flag = torch.tensor([0.0 if _finite(grads) else 1.0])
         if self.comm.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX).item() > 0:
@@ -380,6 +442,7 @@ class ShardedAdam(torch.optim.Optimizer):
         up to three pool buffers are held. State on an accelerator is staged
         one parameter at a time. Nothing here changes the state.
         """
+        self.expect_step(False)
         StatePipeline(Mode.READ).over(self._states(),
                                       lambda i, views: self.groups[i].state.export(self.groups[i], views, use))
 
@@ -396,6 +459,7 @@ class ShardedAdam(torch.optim.Optimizer):
         has loaded). An error part-way leaves a mix of old and new groups:
         load_checkpoint verifies the whole checkpoint before it calls this.
         """
+        self.expect_step(False)
         busy = [g.index for g in self.groups if not g.state.at_rest()]
         if busy:
             raise RuntimeError(f"import_state: the optimizer state of sub-groups {busy[:3]} is not at rest (an "
@@ -420,6 +484,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 mp.param.grad = None
 
     def close(self) -> None:
+        self.expect_step(False)
         if self.swap is not None:
             self.swap.close()
             self.swap = None

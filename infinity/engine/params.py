@@ -163,6 +163,7 @@ class ParamStore:
         self.frozen = False  # set by initialize(): from then on the optimizer owns the master weights
         self.grad_for = None  # set by the optimizer: mp -> its fp32 gradient shard
         self.grad_ready = None  # set by the optimizer: called once mp's gradient of this backward is added
+        self.lend = None  # set by the optimizer: mp -> its master weights from the group state, or None
         self.reduce_bucket = 1 << 62  # zero_optimization.reduce_bucket_size (build_store sets it)
         self._bucket: list = []
         self._bucket_elements = 0

@@ -14,6 +14,10 @@ When a fetch is not where the cursor expects, the order changed: the
 cursor resynchronises if the shard is a little further on, otherwise the
 step goes on without prefetching (still correct) and the next step records
 a new trace. Prefetched shards not used by the end of a step are dropped.
+Before reading a shard's file, a fetch or a prefetch asks the optimizer to
+lend it from the group's master weights (see [Note: backward reads from the
+state] in optimizer.py); a lent shard takes no parameter buffer and reads
+nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class PrefetchStats:
     stall_s: float = 0.0
     """Time the compute thread waited for shard reads: the exposed parameter I/O."""
     bytes_read: int = 0
+    lent: int = 0
+    """Fetches served from the optimizer's master weights (no read of their own)."""
     recorded: bool = False
     """This step recorded the trace (its fetches are all misses by design)."""
 
@@ -56,8 +62,10 @@ class PrefetchScheduler:
         self.pos = 0
         self.ahead = 0
         self.broken = False
-        self.inflight: dict[str, tuple] = {}  # swap id -> (future, elements)
+        self.inflight: dict[str, tuple] = {}  # swap id -> (future, elements, lent)
         self.cached = 0  # elements in the reuse cache
+        self.turn: int | None = None  # trace index of backward's first fetch (None: not recorded)
+        self.in_backward = False
         self._busy = None
         self.stats = PrefetchStats(recorded=True)
         self.history: list[PrefetchStats] = []
@@ -69,9 +77,21 @@ class PrefetchScheduler:
 
     def begin_step(self) -> None:
         """Start of a forward: read the head of the trace before the first module asks."""
+        self.in_backward = False
+        # A forward whose backward never came (evaluation with grad on, a load_checkpoint in between) left reads
+        # and cached shards behind: they may be stale, or lent from a state read that was since dropped.
+        self._forget_pending()
+        if self.recording:  # a trace is one forward and its backward
+            self.trace, self.turn = [], None
         if not self.recording and not self.broken:
             self.pos = self.ahead = 0
             self._prefetch()
+
+    def backward_begins(self) -> None:
+        """Fetches from here on are backward's (see [Note: backward reads from the state] in optimizer.py)."""
+        self.in_backward = True
+        if self.recording:
+            self.turn = len(self.trace)
 
     def fetch(self, mp, sid: str, dtype) -> "torch.Tensor":
         """`mp`'s shard as a tensor of its own, in `dtype`, through the reuse cache or the prefetched reads."""
@@ -87,9 +107,9 @@ class PrefetchScheduler:
             hit = self.inflight.pop(sid, None)
             if hit is not None:
                 st.hits += 1
-                fut = hit[0]
+                fut, _, lent = hit
             else:
-                fut = self.swapper.swap_in(sid)
+                fut, lent = self._start(mp, sid, self.in_backward)
             self._busy = sid  # its buffer is still ours: no prefetch of the same partition until released
             try:
                 self._prefetch()
@@ -101,19 +121,32 @@ class PrefetchScheduler:
                 try:
                     out = view.to(dtype, copy=True)
                 finally:
-                    self.swapper.release(sid)
+                    if not lent:
+                        self.swapper.release(sid)
             finally:
                 self._busy = None
-            st.bytes_read += view.numel() * view.element_size()
+            if lent:
+                st.lent += 1
+            else:
+                st.bytes_read += view.numel() * view.element_size()
             self._prefetch()
         if j is not None and self.keep[j] and self._held() + mp.part <= self.bucket:
             mp.reuse = out
             self.cached += mp.part
         return out
 
+    def _start(self, mp, sid: str, backward: bool, **prefetch):
+        """(future, lent): mp's shard lent from the optimizer's state, else a read of its file (None when a
+        prefetch finds no free buffer). `backward`: the use is backward's."""
+        lend = self.store.lend
+        fut = lend(mp, backward=backward) if lend is not None and mp.trainable else None
+        if fut is not None:
+            return fut, True
+        return self.swapper.swap_in(sid, **prefetch), False
+
     def _held(self) -> int:
         """Elements held ahead of use: reads in flight plus the reuse cache, bounded by the prefetch bucket."""
-        return self.cached + sum(n for _, n in self.inflight.values())
+        return self.cached + sum(n for _, n, _ in self.inflight.values())
 
     def _advance(self, mp) -> int | None:
         """Move the cursor past `mp`; its trace index, or None when recording or off the trace."""
@@ -166,31 +199,38 @@ class PrefetchScheduler:
             else:
                 if mp.part > budget:
                     break
-                fut = self.swapper.swap_in(sid, prefetch=True, reserve=1)
+                backward = self.in_backward or (self.turn is not None and j >= self.turn)
+                fut, lent = self._start(mp, sid, backward, prefetch=True, reserve=1)
                 if fut is None:
                     break  # the pool is busy: try again on the next fetch
-                self.inflight[sid] = (fut, mp.part)
+                self.inflight[sid] = (fut, mp.part, lent)
                 budget -= mp.part
             j += 1
         self.ahead = j
 
-    def drain(self) -> PrefetchStats:
-        """End of a step: drop unused prefetches, close the step's stats, decide whether to re-record."""
-        for sid, (fut, _) in list(self.inflight.items()):
+    def _forget_pending(self) -> None:
+        """Drop unused prefetches and the reuse cache."""
+        for sid, (fut, _, lent) in list(self.inflight.items()):
             try:
                 fut.wait()
-                self.swapper.release(sid)
+                if not lent:
+                    self.swapper.release(sid)
             except BaseException:  # noqa: BLE001 - the read's error belongs to no one now; the file is unchanged
                 pass
         self.inflight.clear()
+        self._drop_cache()
+
+    def drain(self) -> PrefetchStats:
+        """End of a step: drop unused prefetches, close the step's stats, decide whether to re-record."""
+        self._forget_pending()
         done = self.stats
         self.history.append(done)
-        self._drop_cache()
         if self.recording:
             self.recording = False
             self._plan_reuse()
         elif self.broken:
             self.trace = []
+            self.turn = None
             self.recording = True
         self.broken = False
         self.pos = self.ahead = 0

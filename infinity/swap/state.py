@@ -9,6 +9,8 @@ each class below answers the same verbs for its tier.
 - `open()`      wait for it and give `AdamViews` of it (or, `blank=True`, room to fill);
 - `adam()`      step it in place (CPU Adam, or torch ops on an accelerator);
 - `close()`     done with the views: write them back, or drop them;
+- `lend()`      the master weights of one parameter's shard, when they are in host memory anyway (see
+  [Note: backward reads from the state] in engine/optimizer.py);
 - `export()` / `import_()`  hand host fp32 views to a checkpoint writer / reader;
 - `abandon()`   after a failure: let in-flight I/O finish and give back every buffer it may (a group
   whose write failed keeps its buffer and its newer bytes).
@@ -103,6 +105,12 @@ class GroupState(abc.ABC):
         """Done with the views: with `write` they are the new state. Returns a future to wait for, or None."""
         return None
 
+    def lend(self, offset: int, numel: int):
+        """A future whose wait() gives the fp32 master weights [offset, offset + numel) as a host view, valid
+        until the state is next stepped; None unless they are in host memory, or on their way there, already.
+        Nothing is read for it and no buffer is taken: the view is of what open() will return."""
+        return None
+
     def abandon(self) -> None:
         """After a failure anywhere: finish in-flight I/O quietly and hold no buffer, except a group whose write
         failed, which keeps its newer bytes. Never raises."""
@@ -144,6 +152,11 @@ class HostState(GroupState):
 
     def open(self, *, blank: bool = False) -> AdamViews:
         return self.views
+
+    def lend(self, offset: int, numel: int):
+        if self.views.param.device != HOST:  # an accelerator's state: the shard's file is the host copy
+            return None
+        return _Lent(None, self.views.param[offset:offset + numel])
 
 
 class DeviceState(HostState):
@@ -238,6 +251,11 @@ class NvmeState(GroupState):
     def ready(self) -> bool:
         return self._read is not None
 
+    def lend(self, offset: int, numel: int):
+        if self._read is None:
+            return None
+        return _Lent(self._read, slice(offset, offset + numel))
+
     def open(self, *, blank: bool = False) -> AdamViews:
         if blank:
             self._blank = self.swapper.pool.acquire(f"fill {self.id}")
@@ -291,6 +309,20 @@ class NvmeState(GroupState):
             return self.swapper.registry[self.id].buffer is None and self._read is None
         except KeyError:
             return True
+
+
+class _Lent:
+    """What lend() returns: the master's slice, once the state's read (if any) has landed and been verified."""
+
+    __slots__ = ("_read", "_view")
+
+    def __init__(self, read, view):
+        self._read, self._view = read, view
+
+    def wait(self) -> torch.Tensor:
+        if self._read is None:
+            return self._view
+        return self._read.wait()[self._view]  # the p region is the partition's first numel words
 
 
 def _device_adam(views: AdamViews, grad, *, step, lr, betas, eps, weight_decay, adamw, bias_correction,

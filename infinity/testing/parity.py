@@ -127,10 +127,16 @@ def gloo_rank(rank: int, world: int, port: int):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    ok = False
     try:
         yield
+        ok = True
     finally:
         if dist.is_initialized():
+            if ok:
+                # Every rank done before any tears its connections down: a gloo rank whose peer closed first can
+                # abort in a background thread at exit ("terminate called without an active exception").
+                dist.barrier()
             dist.destroy_process_group()
 
 
