@@ -210,7 +210,9 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
             reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)}: needs {format_size_h(peak)} "
                            f"with its buffers")
             continue
-        reads, writes = io_bytes(ptier, otier, shard, precision, sb)
+        reads, writes = io_bytes(ptier, otier, shard, precision, sb, step_in_backward=(
+            precision != "fp16" and not (base or {}).get("gradient_clipping")
+            and (base or {}).get("infinity", {}).get("step_during_backward", True)))
         t = step_time(shape, rates, micro=micro, shard=shard, reads=reads, writes=writes, param_tier=ptier,
                       checksums=bool((base or {}).get("infinity", {}).get("checksums", True)), world=world)
         cfg = _config(base, c, sizing, nvme_path=nvme_path, budget=budget, precision=precision, micro=micro,
@@ -291,16 +293,22 @@ def optimizer_state_bytes(base: dict | None) -> int:
     return 8 if moments == "bf16" else 12
 
 
-def io_bytes(ptier: str, otier: str, shard: int, precision: str, sb: int = 12) -> tuple[int, int]:
-    """Bytes read and written per step per rank (see issue 5's I/O volume: 32 B/param fp32, 30 bf16; sb 8 with
-    bf16 moments)."""
+def io_bytes(ptier: str, otier: str, shard: int, precision: str, sb: int = 12, *,
+             step_in_backward: bool = True) -> tuple[int, int]:
+    """Bytes read and written per step per rank: 28 B/param in fp32 and in bf16 with everything on NVMe and the
+    step during backward, 32 and 30 with the step after it (clipping, fp16); sb 8 with bf16 moments. Shards are
+    lent from the master where it is in host memory ([Note: backward reads from the state] in
+    engine/optimizer.py): always with the optimizer on the CPU, in backward when its NVMe state is read then."""
     e = lowp_bytes(precision)
     reads = writes = 0
     if otier == "nvme":
         reads += sb * shard     # master, m, v
         writes += sb * shard
     if ptier == "nvme":
-        reads += 2 * e * shard  # forward and backward (fp32: slices of the optimizer's files)
+        if otier == "nvme":  # forward; backward too unless the step's read serves it (fp32: the files' slices)
+            reads += (1 if step_in_backward else 2) * e * shard
+        elif otier != "cpu":
+            reads += 2 * e * shard
         if precision != "fp32":
             writes += e * shard  # the new low-precision copy
     return reads, writes
