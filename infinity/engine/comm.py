@@ -10,6 +10,20 @@ gloo notices a peer whose process died as a closed connection and raises at
 once; a peer that hangs is caught by the group's timeout. Either way the
 error is re-raised as RankFailure naming the collective and the rank, so the
 surviving rank exits with one clear line.
+
+[Note: a process group that outlives destroy_process_group]
+torch.distributed.nn.functional binds `group=group.WORLD` as a default
+argument of its functions, and `group.WORLD` is the default process group
+itself once one exists. That module is imported lazily, by the first import
+of torch._dynamo, which the first factory call under zero_init (or any
+torch.compile) triggers: after init_process_group. Its ten function
+defaults then hold the group, so destroy_process_group cannot free it: the
+gloo loop and worker threads keep running into interpreter shutdown, where
+the group is torn down among half-destroyed modules: the likely cause of
+an occasional SIGABRT at the exit of 2-rank gloo test runs ("terminate
+called without an active exception"; seen in CI, never reproduced on
+demand). Importing the module before the group exists makes those
+defaults None, and destroy_process_group frees the group again.
 """
 
 from __future__ import annotations
@@ -20,6 +34,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+if not dist.is_initialized():
+    # Before any group exists; see [Note: a process group that outlives destroy_process_group].
+    import torch.distributed.nn  # noqa: F401
 
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on either side of the rename.
@@ -140,5 +158,6 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> Co
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        import torch.distributed.nn as _dist_nn  # noqa: F401 - see [Note: a process group that outlives ...]
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return Comm()

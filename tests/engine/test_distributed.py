@@ -18,3 +18,64 @@ def test_a_hung_rank_makes_the_other_fail_after_the_comm_timeout(tmp_path):
     assert not record["hung"], "rank 0 must not hang"
     assert record["error"] == "RankFailure", record
     assert 3 <= record["seconds"] < 30, record
+
+
+def _gloo_threads() -> list[str]:
+    import os
+
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass  # that thread ended while we looked
+    return sorted(n for n in names if "gloo" in n)
+
+
+def _threads_rank(rank, world, port, out_path):
+    import gc
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from infinity.testing.parity import MODEL, GPT, engine_config, gloo_rank, train_step
+    from infinity.engine import initialize, zero_init
+
+    record = {}
+    with gloo_rank(rank, world, port):
+        cfg = engine_config("cpu")
+        torch.manual_seed(0)
+        with zero_init(cfg):
+            model = GPT(MODEL)
+        import torch._dynamo  # noqa: F401 - a script that compiles something, after the group exists
+        engine = initialize(model, cfg)
+        try:
+            train_step(engine, 0)
+        finally:
+            engine.close()
+        record["running"] = _gloo_threads()
+    gc.collect()
+    record["initialized"] = dist.is_initialized()
+    record["after"] = _gloo_threads()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(record, f)
+
+
+def test_destroy_process_group_ends_the_gloo_threads(tmp_path):
+    # [Note: a process group that outlives destroy_process_group] in infinity/engine/comm.py: a group kept
+    # alive by torch.distributed.nn's default arguments took its threads into interpreter shutdown.
+    import json
+
+    import torch.multiprocessing as mp
+
+    from infinity.testing.parity import free_port
+
+    out = tmp_path / "threads.json"
+    mp.spawn(_threads_rank, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    record = json.loads(out.read_text())
+    assert record["running"], "no gloo threads seen while the group was up: this check would prove nothing"
+    assert not record["initialized"]
+    assert record["after"] == [], f"gloo threads still running after destroy_process_group: {record['after']}"
