@@ -309,8 +309,9 @@ def io_bytes(ptier: str, otier: str, shard: int, precision: str, sb: int = 12, *
             reads += (1 if step_in_backward else 2) * e * shard
         elif otier != "cpu":
             reads += 2 * e * shard
-        if precision != "fp32":
-            writes += e * shard  # the new low-precision copy
+        if precision != "fp32" or otier != "nvme":
+            # The new shard: the low-precision copy, or fp32 weights whose file is not a slice of the state's.
+            writes += e * shard
     return reads, writes
 
 
