@@ -96,11 +96,23 @@ def test_the_base_configs_other_choices_are_kept(small, tmp_path):
     base = {"zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": 99},
                                   "offload_optimizer": {"pin_memory": True, "pipeline_read": True}},
             "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
-    p = plan(small, 32 * MiB, RATES, nvme_path=str(tmp_path), base=base)
+    with pytest.warns(UserWarning, match=r"the plan sets .*offload_param\.buffer_count to \d+, not the config's 99"):
+        p = plan(small, 32 * MiB, RATES, nvme_path=str(tmp_path), base=base)
     zero = p.config["zero_optimization"]
     assert zero["offload_param"]["pin_memory"] and zero["offload_optimizer"]["pipeline_read"]
     assert zero["offload_param"]["buffer_count"] == p.param_buffer_count != 99, "sizes are planned"
     assert p.config["optimizer"]["params"]["lr"] == 0.01
+
+
+@pytest.mark.parametrize("budget_mib", [32, 512])
+def test_the_planner_keeps_bf16_moments(small, tmp_path, budget_mib):
+    # What the planner does not decide is the config's: bf16 moments were once dropped here, silently.
+    base = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme",
+                                                        "fast_init": True, "moments_dtype": "bf16",
+                                                        "moments_rounding": "nearest"}}}
+    p = plan(small, budget_mib * MiB, RATES, nvme_path=str(tmp_path), base=base)
+    opt = load_config(p.config).zero_optimization.offload_optimizer
+    assert (opt.moments_dtype, opt.moments_rounding, opt.fast_init) == ("bf16", "nearest", True)
 
 
 def test_micro_batch_and_precision_come_from_the_base_config(tmp_path):

@@ -357,6 +357,14 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _report_planned(replaced: list[str]) -> None:
+    if replaced:
+        import warnings
+
+        warnings.warn(f"infinity plan: the plan sets {', '.join(replaced)} (--memory-budget decides placement and "
+                      "buffer sizes; without it the config's own values apply)", stacklevel=3)
+
+
 def _config(base: dict | None, placement: Placement, sizing: PoolSizing, *, nvme_path: str | None, budget: int,
             precision: str, micro: int, reduce_bucket: int) -> dict:
     """A complete swap config with DeepSpeed's keys; `base` (a config dict) supplies everything not planned."""
@@ -366,21 +374,33 @@ def _config(base: dict | None, placement: Placement, sizing: PoolSizing, *, nvme
     cfg["fp16"] = dict(cfg.get("fp16", {}), enabled=precision == "fp16")
     zero = cfg.setdefault("zero_optimization", {})
     zero["stage"] = 3
-    # Only the placement and the sizes are planned; the base's other choices (pin_memory, pipelining) stay.
-    keep = ("pin_memory", "pipeline_read", "pipeline_write")
+    # Only the placement and the sizes are planned; every other choice the base wrote (moments_dtype,
+    # pin_memory, pipelining, ratio, ...) stays as written. A planned key the base set to something else is
+    # reported, in one warning, never silently replaced.
     ptier, otier = placement.param_tier, placement.optimizer_tier
-    zero["offload_param"] = {"device": ptier, **{k: v for k, v in zero.get("offload_param", {}).items() if k in keep}}
-    zero["offload_optimizer"] = {"device": otier,
-                                 **{k: v for k, v in zero.get("offload_optimizer", {}).items() if k in keep}}
+    planned_param = {"device": ptier, "max_in_cpu": 0}
     if ptier == "nvme":
-        zero["offload_param"].update(nvme_path=nvme_path, buffer_count=sizing.param_buffer_count,
-                                     buffer_size=sizing.param_buffer_size)
-        zero["stage3_prefetch_bucket_size"] = sizing.prefetch_bucket
-        zero["stage3_max_reuse_distance"] = 0
+        planned_param.update(nvme_path=nvme_path, buffer_count=sizing.param_buffer_count,
+                             buffer_size=sizing.param_buffer_size)
+    planned_opt = {"device": otier}
     if otier == "nvme":
-        zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=sizing.optimizer_buffer_count)
+        planned_opt.update(nvme_path=nvme_path, buffer_count=sizing.optimizer_buffer_count)
+    replaced = []
+    sizes = ("nvme_path", "buffer_count", "buffer_size")  # meaningless off NVMe: dropped there, not reported
+    for key, planned in (("offload_param", planned_param), ("offload_optimizer", planned_opt)):
+        written = {k: v for k, v in (zero.get(key) or {}).items() if not (k in sizes and k not in planned)}
+        for k, v in planned.items():
+            if k in written and written[k] != v and k != "nvme_path":
+                replaced.append(f"zero_optimization.{key}.{k} to {v!r}, not the config's {written[k]!r}")
+        zero[key] = {**written, **planned}
+    if ptier == "nvme":
+        for k, v in (("stage3_prefetch_bucket_size", sizing.prefetch_bucket), ("stage3_max_reuse_distance", 0)):
+            if k in zero and zero[k] != v:
+                replaced.append(f"zero_optimization.{k} to {v!r}, not the config's {zero[k]!r}")
+            zero[k] = v
     zero["sub_group_size"] = sizing.sub_group_size
     zero["reduce_bucket_size"] = reduce_bucket
     cfg.setdefault("infinity", {})["memory_budget"] = budget
+    _report_planned(replaced)
     return cfg
 
