@@ -107,12 +107,47 @@ def test_the_base_configs_other_choices_are_kept(small, tmp_path):
 @pytest.mark.parametrize("budget_mib", [32, 512])
 def test_the_planner_keeps_bf16_moments(small, tmp_path, budget_mib):
     # What the planner does not decide is the config's: bf16 moments were once dropped here, silently.
+    import warnings
+
     base = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme",
                                                         "fast_init": True, "moments_dtype": "bf16",
                                                         "moments_rounding": "nearest"}}}
-    p = plan(small, budget_mib * MiB, RATES, nvme_path=str(tmp_path), base=base)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        p = plan(small, budget_mib * MiB, RATES, nvme_path=str(tmp_path), base=base)
     opt = load_config(p.config).zero_optimization.offload_optimizer
     assert (opt.moments_dtype, opt.moments_rounding, opt.fast_init) == ("bf16", "nearest", True)
+    notes = [str(w.message) for w in seen if "the plan sets" in str(w.message)]
+    if p.optimizer_tier == "nvme":
+        assert notes == [], "nothing the config wrote was overridden"
+    else:
+        assert len(notes) == 1 and "offload_optimizer.device to 'cpu', not the config's 'nvme'" in notes[0]
+
+
+@pytest.mark.parametrize("budget_mib,tiers", [(32, ("nvme", "nvme")), (512, ("none", "cpu"))])
+def test_partial_placements_the_planner_does_not_model_are_planned_and_reported(small, tmp_path, budget_mib, tiers):
+    # A DeepSpeed config's max_in_cpu (1e9 keeps a small model in RAM) and Twin-Flow ratio would each change
+    # where state lives behind the plan's back; the plan sets them and says so where they would matter.
+    import warnings
+
+    base = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 1e9},
+                                  "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+                                  "sub_group_size": "auto", "reduce_bucket_size": "auto"}}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        p = plan(small, budget_mib * MiB, RATES, nvme_path=str(tmp_path), base=base)
+    assert (p.param_tier, p.optimizer_tier) == tiers  # each case takes the branch it is here for
+    zero = load_config(p.config).zero_optimization
+    notes = " ".join(str(w.message) for w in seen if "the plan sets" in str(w.message))
+    assert "auto" not in notes, "an 'auto' value is the planner's to fill, not a conflict"
+    if p.param_tier == "nvme":
+        assert zero.offload_param.max_in_cpu == 0 and "offload_param.max_in_cpu to 0" in notes
+    else:
+        assert "max_in_cpu" not in p.config["zero_optimization"]["offload_param"] and "max_in_cpu" not in notes
+    if p.optimizer_tier == "cpu":
+        assert zero.offload_optimizer.ratio == 1.0 and "offload_optimizer.ratio to 1.0, not the config's 0.5" in notes
+    else:
+        assert "ratio" not in p.config["zero_optimization"]["offload_optimizer"]
 
 
 def test_micro_batch_and_precision_come_from_the_base_config(tmp_path):
@@ -140,8 +175,10 @@ def test_io_volume_per_parameter():
     assert io_bytes("none", "cpu", 1000, "bf16") == (0, 0)
 
 
-@pytest.mark.parametrize("otier,precision", [("nvme", "fp32"), ("nvme", "bf16"), ("cpu", "fp32"), ("cpu", "bf16")])
-def test_io_volume_is_what_the_engine_moves(otier, precision, disk_dir):
+@pytest.mark.parametrize("otier,precision,moments", [("nvme", "fp32", "fp32"), ("nvme", "bf16", "fp32"),
+                                                     ("nvme", "fp32", "bf16"), ("nvme", "bf16", "bf16"),
+                                                     ("cpu", "fp32", "fp32"), ("cpu", "bf16", "fp32")])
+def test_io_volume_is_what_the_engine_moves(otier, precision, moments, disk_dir):
     # The planner's bytes against the engine's counters, parameters on NVMe, after the step settles. Writes
     # match exactly; forward reads may exceed the plan by the tied embedding's second read (its two uses are
     # further apart than the reuse distance), never fall below it.
@@ -156,6 +193,8 @@ def test_io_volume_is_what_the_engine_moves(otier, precision, disk_dir):
         over["bf16.enabled"] = True
     if otier == "cpu":
         over["zero_optimization.offload_optimizer"] = {"device": "cpu"}
+    else:
+        over["zero_optimization.offload_optimizer.moments_dtype"] = moments
     cfg = engine_config("nvme", str(disk_dir), **over)
     torch.manual_seed(0)
     with zero_init(cfg):
@@ -168,7 +207,7 @@ def test_io_volume_is_what_the_engine_moves(otier, precision, disk_dir):
             engine.step()
         r = engine.last_report
         shard = sum(mp.part for mp in engine.store.params)
-        reads, writes = io_bytes("nvme", otier, shard, precision, 12)
+        reads, writes = io_bytes("nvme", otier, shard, precision, 8 if moments == "bf16" else 12)
         assert r.param_write_bytes + r.optimizer_write_bytes == writes
         got = r.param_read_bytes + r.optimizer_read_bytes
         tied = (4 if precision == "fp32" else 2) * model.wte.weight.numel()

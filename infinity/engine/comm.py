@@ -23,7 +23,10 @@ the group is torn down among half-destroyed modules: the likely cause of
 an occasional SIGABRT at the exit of 2-rank gloo test runs ("terminate
 called without an active exception"; seen in CI, never reproduced on
 demand). Importing the module before the group exists makes those
-defaults None, and destroy_process_group frees the group again.
+defaults None, and destroy_process_group frees the group again. This
+module does so when it is imported (`import infinity` imports it) and no
+group exists yet; a script that calls init_process_group itself before
+importing infinity or torch.distributed.nn keeps torch's behaviour.
 """
 
 from __future__ import annotations
@@ -158,6 +161,8 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> Co
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        import torch.distributed.nn as _dist_nn  # noqa: F401 - see [Note: a process group that outlives ...]
+        # (A group that existed when this module was imported, and has since been destroyed.) The `as` matters:
+        # a bare `import torch.distributed.nn` would make `torch` a local name of this function.
+        import torch.distributed.nn as _dist_nn  # noqa: F401 - [Note: a process group that outlives ...]
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return Comm()

@@ -374,32 +374,40 @@ def _config(base: dict | None, placement: Placement, sizing: PoolSizing, *, nvme
     cfg["fp16"] = dict(cfg.get("fp16", {}), enabled=precision == "fp16")
     zero = cfg.setdefault("zero_optimization", {})
     zero["stage"] = 3
-    # Only the placement and the sizes are planned; every other choice the base wrote (moments_dtype,
-    # pin_memory, pipelining, ratio, ...) stays as written. A planned key the base set to something else is
-    # reported, in one warning, never silently replaced.
+    # The planner decides placement and sizes: the offload devices, their paths and buffers, max_in_cpu and
+    # ratio (it models neither partial placement), the prefetch bucket, the reuse distance, the sub-group and
+    # reduce-bucket sizes. Every other choice the base wrote (moments_dtype, pin_memory, pipelining, ...) stays
+    # as written. A planned key the base set to some other value (not "auto") is named in one warning.
     ptier, otier = placement.param_tier, placement.optimizer_tier
-    planned_param = {"device": ptier, "max_in_cpu": 0}
+    replaced: list[str] = []
+
+    def put(node: dict, key: str, value, name: str) -> None:
+        if key in node and node[key] != value and node[key] != "auto" and key != "nvme_path":
+            replaced.append(f"{name}.{key} to {value!r}, not the config's {node[key]!r}")
+        node[key] = value
+
+    planned_param = {"device": ptier}
     if ptier == "nvme":
         planned_param.update(nvme_path=nvme_path, buffer_count=sizing.param_buffer_count,
-                             buffer_size=sizing.param_buffer_size)
+                             buffer_size=sizing.param_buffer_size, max_in_cpu=0)
     planned_opt = {"device": otier}
     if otier == "nvme":
         planned_opt.update(nvme_path=nvme_path, buffer_count=sizing.optimizer_buffer_count)
-    replaced = []
-    sizes = ("nvme_path", "buffer_count", "buffer_size")  # meaningless off NVMe: dropped there, not reported
+    else:
+        planned_opt["ratio"] = 1.0
+    # Keys that mean nothing where the plan puts a tier are dropped there, not reported.
+    idle = {"offload_param": ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"),
+            "offload_optimizer": ("nvme_path", "buffer_count", "ratio")}
     for key, planned in (("offload_param", planned_param), ("offload_optimizer", planned_opt)):
-        written = {k: v for k, v in (zero.get(key) or {}).items() if not (k in sizes and k not in planned)}
+        node = {k: v for k, v in (zero.get(key) or {}).items() if not (k in idle[key] and k not in planned)}
         for k, v in planned.items():
-            if k in written and written[k] != v and k != "nvme_path":
-                replaced.append(f"zero_optimization.{key}.{k} to {v!r}, not the config's {written[k]!r}")
-        zero[key] = {**written, **planned}
+            put(node, k, v, f"zero_optimization.{key}")
+        zero[key] = node
     if ptier == "nvme":
-        for k, v in (("stage3_prefetch_bucket_size", sizing.prefetch_bucket), ("stage3_max_reuse_distance", 0)):
-            if k in zero and zero[k] != v:
-                replaced.append(f"zero_optimization.{k} to {v!r}, not the config's {zero[k]!r}")
-            zero[k] = v
-    zero["sub_group_size"] = sizing.sub_group_size
-    zero["reduce_bucket_size"] = reduce_bucket
+        put(zero, "stage3_prefetch_bucket_size", sizing.prefetch_bucket, "zero_optimization")
+        put(zero, "stage3_max_reuse_distance", 0, "zero_optimization")
+    put(zero, "sub_group_size", sizing.sub_group_size, "zero_optimization")
+    put(zero, "reduce_bucket_size", reduce_bucket, "zero_optimization")
     cfg.setdefault("infinity", {})["memory_budget"] = budget
     _report_planned(replaced)
     return cfg
