@@ -12,7 +12,9 @@ by the parameter store. Its CRC-32C is taken when the optimizer produces it
 file's own header checksum still covers the whole group on the optimizer's
 reads. Reads of a group's slices never race its write: a shard's group is
 written only once its gradient is final, after its last use in the step,
-and every write has landed before the next forward starts.
+and every write has landed before the next forward starts. After a step the
+CRCs are taken on the swapper's write reaper, from the group's bytes as they
+are written (record_on_write), not on the step thread.
 """
 
 from __future__ import annotations
@@ -61,6 +63,18 @@ class OptimizerSliceReader:
         """The optimizer just produced this shard's new values (they are about to be written)."""
         if self.checksums:
             self.crc[sid] = crc32c(values, values.numel() * 4)
+
+    def record_on_write(self, swapper, state_id: str, shards: list[tuple[str, int, int]]) -> None:
+        """The optimizer just produced these shards' values ((sid, element offset, numel) in the p region of
+        sub-group file `state_id`); take their checksums from the bytes of that file's next write."""
+        if not self.checksums:
+            return
+
+        def take(values: torch.Tensor) -> None:
+            for sid, off, numel in shards:
+                self.crc[sid] = crc32c(values[off:off + numel], numel * 4)
+
+        swapper.on_next_write(state_id, take)
 
     def swap_in(self, sid: str, *, prefetch: bool = False, reserve: int = 0):
         path, offset, numel = self.where[sid]

@@ -418,9 +418,9 @@ class ShardedAdam(torch.optim.Optimizer):
         return work
 
     def _publish(self, g: _Group, master: torch.Tensor, lowp: torch.Tensor | None = None):
-        if self.store.alias is not None:  # the group's own write carries the shards; only their checksums here
-            for mp, off in zip(g.params, g.offsets):
-                self.store.alias.record(f"alias/{mp.index}", master[off:off + mp.part])
+        if self.store.alias is not None:  # the group's own write carries the shards, and their checksums
+            shards = [(f"alias/{mp.index}", off, mp.part) for mp, off in zip(g.params, g.offsets)]
+            self.store.alias.record_on_write(g.state.swapper, g.state.id, shards)
             return
         src = lowp if lowp is not None else master
         for mp, off in zip(g.params, g.offsets):

@@ -134,6 +134,7 @@ class TensorSwapper:
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
         self._headers: list = []  # 4 KiB aligned header buffers, reused by the write reaper
+        self._on_write: dict = {}  # part id -> fn(view), run by the write reaper at its next write
         self._header_of: dict = {}
         self._reapers = [threading.Thread(target=self._reap_loop, args=(q,), name=f"infinity-swap-{n}-reaper",
                                           daemon=True) for q, n in ((self._reads, "read"), (self._writes, "write"))]
@@ -248,6 +249,13 @@ class TensorSwapper:
         with self._lock:
             part.begin_write(buf)  # asserts ON_DISK or IN_CPU
         return self._write(part, buf)
+
+    def on_next_write(self, part_id: str, fn) -> None:
+        """Run fn(view of the bytes) on the write reaper during the next write of `part_id`, beside its own
+        checksum and before its future completes (an error fn raises goes to that future). It replaces a hook
+        set earlier and not yet run."""
+        with self._lock:
+            self._on_write[part_id] = fn
 
     def _write(self, part: Partition, buf) -> SwapFuture:
         """Submit the data write of a partition already in WRITING; on failure it goes back to IN_CPU.
@@ -375,6 +383,10 @@ class TensorSwapper:
     def _write_header(self, part: Partition, futs: list):
         """While the data write is in flight: checksum the buffer, then write the header (see the note)."""
         try:
+            with self._lock:
+                hook = self._on_write.pop(part.id, None)
+            if hook is not None:
+                hook(part.buffer.view(part.dtype, part.numel))
             crc = crc32c(part.buffer.tensor, part.nbytes) if self.checksums else None
             head = self._headers.pop() if self._headers else aligned_empty(HEADER, pin=False)
             text = _header_text(part, crc)

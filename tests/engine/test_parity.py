@@ -222,6 +222,48 @@ def test_fp32_nvme_moves_28_bytes_per_parameter_and_detects_a_flipped_byte(disk_
         engine.close()
 
 
+def test_fp32_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatch):
+    # "Checksums on, off the step thread": after each step the shards' CRCs come from the group's bytes as
+    # the swapper writes them; the step thread only checks them after reads (the flipped-byte test above
+    # shows they still catch corruption).
+    import threading
+
+    import infinity.engine.alias as alias
+    from infinity.engine import initialize
+    from infinity.testing.parity import batch
+
+    torch.manual_seed(0)
+    cfg = tier_config("nvme", disk_dir)
+    with zero_init(cfg):
+        model = GPT(MODEL)
+    engine = initialize(model, cfg)
+    taken = []
+    real = alias.crc32c
+
+    def spy(t, nbytes, *a, **k):
+        taken.append((threading.current_thread().name, nbytes))
+        return real(t, nbytes, *a, **k)
+
+    monkeypatch.setattr(alias, "crc32c", spy)
+    try:
+        assert engine.store.alias is not None
+        for s in range(2):
+            taken.clear()
+            x, y = batch(s)
+            engine.backward(engine(x, y))
+            engine.step()
+            shards = sum(4 * mp.part for mp in engine.store.params if mp.trainable)
+            on_reaper = sum(n for who, n in taken if who == "infinity-swap-write-reaper")
+            assert on_reaper == shards, (on_reaper, shards)
+            # On the step thread: only the checks of the shards this step read, never a new shard's checksum.
+            on_main = sum(n for who, n in taken if who == threading.main_thread().name)
+            assert on_main == engine.last_report.param_read_bytes, (on_main, engine.last_report.param_read_bytes)
+            assert len(taken) == len([1 for who, _ in taken if who in ("infinity-swap-write-reaper",
+                                                                        threading.main_thread().name)])
+    finally:
+        engine.close()
+
+
 def test_bf16_on_nvme_is_bit_identical_to_bf16_in_ram(disk_dir):
     ram = engine_losses(engine_config("cpu", **{"bf16.enabled": True}), 8)
     assert engine_losses(tier_config("nvme", disk_dir, **{"bf16.enabled": True}), 8) == ram
