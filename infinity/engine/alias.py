@@ -7,14 +7,17 @@ shard to a file of its own after every step would move 4 more bytes per
 parameter (36 instead of 32) for a second copy of the same numbers. So when
 compute is fp32 and both parameters and optimizer are on NVMe, a shard is
 read from its slice of the p region of its group's file, and never written
-by the parameter store. Its CRC-32C is taken when the optimizer produces it
-(before the group's write is submitted) and checked after each read; the
+by the parameter store. Its CRC-32C is taken from the bytes the group's write
+carries (on the swapper's write reaper, before that write completes; at setup
+when the first state is made) and checked after each read; the
 file's own header checksum still covers the whole group on the optimizer's
 reads. Reads of a group's slices never race its write: a shard's group is
 written only once its gradient is final, after its last use in the step,
-and every write has landed before the next forward starts. After a step the
-CRCs are taken on the swapper's write reaper, from the group's bytes as they
-are written (record_on_write), not on the step thread.
+and every write has landed before the next forward starts. From the moment
+the optimizer produces new values until the write's reaper has taken their
+CRCs, a shard's expected CRC is PENDING: a read then (a write whose
+submission failed, and a caller who carried on) raises instead of accepting
+the file's older weights.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from infinity.errors import SwapCorruptionError
 from infinity.swap.checksum import crc32c
 from infinity.swap.swapper import HEADER
 
+PENDING = -1  # no CRC-32C is negative: the shard's new values are not known to be in its file yet
+
 
 class _SliceFuture:
     def __init__(self, reader, sid, fut, view, expected, path, buf):
@@ -34,6 +39,10 @@ class _SliceFuture:
     def wait(self):
         try:
             self._fut.wait()
+            if self._expected == PENDING:
+                raise RuntimeError(f"{self._sid}: the last write of its optimizer sub-group ({self._path}) never "
+                                   "completed (an earlier error), so the file holds older weights than the "
+                                   "optimizer; restart from a checkpoint")
             if self._expected is not None:
                 actual = crc32c(self._buf.tensor, self._view.numel() * 4)
                 if actual != self._expected:
@@ -69,6 +78,8 @@ class OptimizerSliceReader:
         sub-group file `state_id`); take their checksums from the bytes of that file's next write."""
         if not self.checksums:
             return
+        for sid, _, _ in shards:
+            self.crc[sid] = PENDING
 
         def take(values: torch.Tensor) -> None:
             for sid, off, numel in shards:

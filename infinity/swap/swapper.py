@@ -343,6 +343,7 @@ class TensorSwapper:
         with self._lock:
             self.registry.unregister(part_id)
             self._crc.pop(part_id, None)
+            self._on_write.pop(part_id, None)
         path = self.path_of(part_id)
         self.aio.forget(path)  # its cached fds would keep the file's blocks allocated
         try:

@@ -264,6 +264,33 @@ def test_fp32_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatc
         engine.close()
 
 
+def test_a_shard_whose_group_write_never_ran_is_refused_not_read_stale(disk_dir):
+    # Between the optimizer producing a group's values and its write's reaper taking their checksums, the
+    # shards' expected CRC is PENDING. If that write never starts (its submission raised and the caller went
+    # on), the next read of a shard must fail loudly rather than hand back the previous step's weights.
+    from infinity.engine import initialize
+    from infinity.testing.parity import batch
+
+    torch.manual_seed(0)
+    cfg = tier_config("nvme", disk_dir)
+    with zero_init(cfg):
+        model = GPT(MODEL)
+    engine = initialize(model, cfg)
+    try:
+        x, y = batch(0)
+        engine.backward(engine(x, y))
+        engine.step()
+        opt = engine.optimizer
+        g = opt.groups[0]
+        shards = [(f"alias/{mp.index}", off, mp.part) for mp, off in zip(g.params, g.offsets)]
+        engine.store.alias.record_on_write(g.state.swapper, g.state.id, shards)  # as _publish does; no write
+        x, y = batch(1)
+        with pytest.raises(RuntimeError, match="never completed .* older weights"):
+            engine(x, y)
+    finally:
+        engine.close()
+
+
 def test_bf16_on_nvme_is_bit_identical_to_bf16_in_ram(disk_dir):
     ram = engine_losses(engine_config("cpu", **{"bf16.enabled": True}), 8)
     assert engine_losses(tier_config("nvme", disk_dir, **{"bf16.enabled": True}), 8) == ram

@@ -219,3 +219,23 @@ def test_concurrent_swap_in_of_one_partition_shares_the_buffer(swapper):
     assert all(torch.equal(v, torch.arange(100.0)) for v in views)
     swapper.release("s")
     assert swapper.pool.free_count == swapper.pool.count, "no buffer may leak from racing swap_ins"
+
+
+def test_a_write_hook_sees_the_written_bytes_once_and_its_error_reaches_the_write(swapper):
+    import threading
+
+    t = torch.arange(1000, dtype=torch.float32)
+    seen = []
+    swapper.on_next_write("p", lambda v: seen.append(("replaced", v.clone())))
+    swapper.on_next_write("p", lambda v: seen.append((threading.current_thread().name, v.clone())))
+    swapper.swap_out("p", t).wait()
+    assert len(seen) == 1 and seen[0][0] == "infinity-swap-write-reaper" and torch.equal(seen[0][1], t)
+    swapper.swap_out("p", t + 1).wait()  # one-shot: the next write runs no hook
+    assert len(seen) == 1
+
+    def boom(_):
+        raise ValueError("hook failed")
+
+    swapper.on_next_write("p", boom)
+    with pytest.raises(ValueError, match="hook failed"):
+        swapper.swap_out("p", t + 2).wait()
