@@ -372,8 +372,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def cancel_overlapped_step(self) -> None:
         """Backward failed part-way: let what the step started finish, and hand every buffer back. Groups
         already stepped keep their new state; the others keep the old."""
-        self._expecting = False
-        self._drop_early()
+        self.expect_step(False)
         if self._pipe is not None:
             self._pipe.abandon()
             self._pipe = None
