@@ -79,3 +79,25 @@ def test_destroy_process_group_ends_the_gloo_threads(tmp_path):
     assert record["running"], "no gloo threads seen while the group was up: this check would prove nothing"
     assert not record["initialized"]
     assert record["after"] == [], f"gloo threads still running after destroy_process_group: {record['after']}"
+
+
+def test_a_group_never_destroyed_is_destroyed_at_exit(tmp_path):
+    # DeepSpeed-style scripts never call destroy_process_group; a gloo group alive into interpreter shutdown
+    # aborted a rank now and then ([Note: a process group that outlives destroy_process_group]).
+    import subprocess
+    import sys
+
+    from infinity.testing.parity import free_port
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit\n"
+        "import torch, torch.distributed as dist\n"
+        "atexit.register(lambda: print('at exit, group alive:', dist.is_initialized(), flush=True))\n"
+        "import infinity.deepspeed  # registered after the line above, so its handler runs before it\n"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "t = torch.ones(2); dist.all_reduce(t)\n"
+        "print('trained', flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == "trained at exit, group alive: False".split(), out.stdout
