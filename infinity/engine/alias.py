@@ -1,4 +1,4 @@
-"""fp32 parameter shards read straight from the optimizer's swap files.
+"""Parameter shards read straight from the optimizer's swap files (fp32: the master; bf16/fp16: a tail copy).
 
 [Note: fp32 shards live in the optimizer file]
 In fp32 the parameter a forward needs is exactly the master weight the
@@ -18,6 +18,27 @@ the optimizer produces new values until the write's reaper has taken their
 CRCs, a shard's expected CRC is PENDING: a read then (a write whose
 submission failed, and a caller who carried on) raises instead of accepting
 the file's older weights.
+
+[Note: compute-dtype shards in the optimizer file]
+With bf16 (or fp16) compute the shard is not the master but its rounding,
+which CPU Adam writes in the same pass that updates the master. Kept in a
+file of its own, each step staged Adam's output into a parameter-pool buffer
+per shard and wrote it as a separate request: a copy, a wait for a free
+parameter buffer (the same buffers backward's prefetches use), and one
+more write per parameter. Instead, an NVMe sub-group's partition gets a
+write-only tail (Partition.tail_nbytes): its buffer is
+[p | m | v | w], where w is the n weights in the compute dtype, and the kernel
+writes w straight into it (AdamViews.lowp). The group's one write carries
+w; its reads bring in only [p | m | v] (w is never an input to Adam), so the
+bytes per step are unchanged (forward 2 + read 12 + write 12 + 2) and the
+copy, the extra requests and the parameter-pool waits are gone. A forward
+reads a shard as its slice of w, exactly as in fp32 above, with the same
+checksum scheme: the header's CRC covers [p | m | v] only, and each slice's
+CRC is taken on the write reaper from the bytes being written (at setup and
+at a checkpoint load, too: every write of the state writes w, from the
+master when Adam did not). The pool's buffers grow by 2 bytes per
+sub-group parameter (SwapContext.for_optimizer), the parameter pool serves
+reads only.
 """
 
 from __future__ import annotations
@@ -35,6 +56,7 @@ class _SliceFuture:
     def __init__(self, reader, sid, fut, view, expected, path, buf):
         self._reader, self._sid, self._fut, self._view = reader, sid, fut, view
         self._expected, self._path, self._buf = expected, path, buf
+        self._nbytes = view.numel() * view.element_size()
 
     def wait(self):
         try:
@@ -44,7 +66,7 @@ class _SliceFuture:
                                    "completed (an earlier error), so the file holds older weights than the "
                                    "optimizer; restart from a checkpoint")
             if self._expected is not None:
-                actual = crc32c(self._buf.tensor, self._view.numel() * 4)
+                actual = crc32c(self._buf.tensor, self._nbytes)
                 if actual != self._expected:
                     raise SwapCorruptionError(self._path, self._sid, self._expected, actual)
         except BaseException:
@@ -54,36 +76,41 @@ class _SliceFuture:
 
 
 class OptimizerSliceReader:
-    """The scheduler's reader in fp32-alias mode: swap_in/release like a TensorSwapper, over file slices."""
+    """The scheduler's reader in alias mode: swap_in/release like a TensorSwapper, over slices of the optimizer's
+    files that hold shards in `dtype` (fp32: the master; a compute dtype: the tail)."""
 
-    def __init__(self, store):
+    def __init__(self, store, dtype: torch.dtype = torch.float32):
         self.pool = store.swap.pool
         self.aio = store.swap.io
         self.checksums = store.swap.swapper.checksums
+        self.dtype = dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.where: dict[str, tuple] = {}  # sid -> (path, byte offset, elements)
         self.crc: dict[str, int] = {}
         self._held: dict = {}
 
     def place(self, sid: str, path: str, offset: int, numel: int) -> None:
-        """Shard `sid` is `numel` fp32 values at element `offset` of the p region of the group file `path`."""
-        self.where[sid] = (path, HEADER + 4 * offset, numel)
+        """Shard `sid` is `numel` values of self.dtype at byte `offset` of the group file `path`'s data (after
+        its header)."""
+        self.where[sid] = (path, HEADER + offset, numel)
 
     def record(self, sid: str, values: torch.Tensor) -> None:
         """The optimizer just produced this shard's new values (they are about to be written)."""
         if self.checksums:
-            self.crc[sid] = crc32c(values, values.numel() * 4)
+            self.crc[sid] = crc32c(values, values.numel() * self.itemsize)
 
     def record_on_write(self, swapper, state_id: str, shards: list[tuple[str, int, int]]) -> None:
-        """The optimizer just produced these shards' values ((sid, element offset, numel) in the p region of
-        sub-group file `state_id`); take their checksums from the bytes of that file's next write."""
+        """The optimizer just produced these shards' values ((sid, byte offset in the buffer, numel) of
+        sub-group partition `state_id`); take their checksums from the bytes of that partition's next write."""
         if not self.checksums:
             return
         for sid, _, _ in shards:
             self.crc[sid] = PENDING
+        size = self.itemsize
 
-        def take(values: torch.Tensor) -> None:
+        def take(buf) -> None:
             for sid, off, numel in shards:
-                self.crc[sid] = crc32c(values[off:off + numel], numel * 4)
+                self.crc[sid] = crc32c(buf.tensor[off:off + numel * size], numel * size)
 
         swapper.on_next_write(state_id, take)
 
@@ -96,11 +123,11 @@ class OptimizerSliceReader:
             return None
         self._held[sid] = buf
         try:
-            fut = self.aio.pread(buf.tensor, path, offset, nbytes=4 * numel)
+            fut = self.aio.pread(buf.tensor, path, offset, nbytes=numel * self.itemsize)
         except BaseException:
             self.release(sid)
             raise
-        return _SliceFuture(self, sid, fut, buf.view(torch.float32, numel), self.crc.get(sid), path, buf)
+        return _SliceFuture(self, sid, fut, buf.view(self.dtype, numel), self.crc.get(sid), path, buf)
 
     def release(self, sid: str, **_) -> None:
         buf = self._held.pop(sid, None)

@@ -26,7 +26,7 @@ from infinity.engine.comm import init_distributed
 from infinity.engine.hooks import ParamHooks
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.memory import return_freed_memory_to_os
-from infinity.engine.optimizer import ShardedAdam
+from infinity.engine.optimizer import ShardedAdam, shards_in_state
 from infinity.engine.params import ParamStore, managed
 from infinity.engine.zero_init import current_store
 from infinity.swap.state import MOMENT_DTYPES, state_bytes
@@ -570,8 +570,12 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     try:
         if Tier(cfg.zero_optimization.offload_optimizer.device) is Tier.NVME:
             by_group = [[managed(p) for p in g["params"]] for g in groups]
-            sizes = [g.numel for g in ShardedAdam._plan(by_group, cfg.zero_optimization.sub_group_size)]
-            opt_swap = SwapContext.for_optimizer(cfg, rank=comm.rank, largest_group_numel=max(sizes, default=1))
+            plan = ShardedAdam._plan(by_group, cfg.zero_optimization.sub_group_size)
+            in_state = shards_in_state(store, [g.params for g in plan], Tier.NVME,
+                                       cfg.zero_optimization.offload_optimizer.ratio)
+            opt_swap = SwapContext.for_optimizer(cfg, rank=comm.rank, largest_group_numel=max(
+                (g.numel for g in plan), default=1), tail_bytes=0 if in_state in (None, torch.float32) else
+                in_state.itemsize)
         optimizer = ShardedAdam(store, cfg, comm, swap=opt_swap, param_groups=groups)
     except BaseException:
         if opt_swap is not None:

@@ -83,7 +83,7 @@ from infinity.engine.comm import Comm
 from infinity.engine.params import ParamStore
 from infinity.optim import grads_finite
 from infinity.swap.pipeline import Mode, StatePipeline
-from infinity.swap.state import MOMENT_DTYPES, DeviceState, GroupState, HostState, NvmeState
+from infinity.swap.state import MOMENT_DTYPES, DeviceState, GroupState, HostState, NvmeState, state_bytes
 from infinity.swap.telemetry import StepStats
 from infinity.swap.tier import HOST, Tier
 
@@ -140,8 +140,17 @@ class ShardedAdam(torch.optim.Optimizer):
         self.groups = self._plan(self.managed_groups(), cfg.zero_optimization.sub_group_size)
         self.group_of = {id(mp): g for g in self.groups for mp in g.params}
         self._offset_of = {id(mp): off for g in self.groups for mp, off in zip(g.params, g.offsets)}
+        self.in_state = shards_in_state(store, [g.params for g in self.groups], self.tier, off.ratio)
+        """The dtype of the trained shards kept in the optimizer's NVMe files (see [Note: fp32 shards live in
+        the optimizer file] and [Note: compute-dtype shards in the optimizer file] in alias.py), or None."""
+        if self.in_state is not None and self.in_state != torch.float32:
+            need = max(g.numel for g in self.groups) * (state_bytes(self.moments) + store.dtype.itemsize)
+            if swap is None or swap.pool.size < need:
+                raise ValueError(f"ShardedAdam: the optimizer's pool buffers must hold a sub-group's state and its "
+                                 f"{store.dtype} weights ({need} B); build it with SwapContext.for_optimizer("
+                                 f"..., tail_bytes={store.dtype.itemsize})")
         self.lowp = None
-        if store.dtype != torch.float32:
+        if store.dtype != torch.float32 and self.in_state is None:
             biggest = max((g.numel for g in self.groups), default=0)
             # What the CPU kernel writes the compute-dtype weights into, copied to the device from there.
             self.lowp = torch.empty(biggest, dtype=store.dtype,
@@ -204,22 +213,24 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _new_state(self, g: _Group, tier: Tier) -> GroupState:
         mo = self.moments
+        tail = self.in_state if self.in_state != torch.float32 else None
         make = {Tier.DEVICE: lambda: DeviceState(g.numel, self.store.device, slices=g.slices(), moments=mo),
                 Tier.CPU: lambda: HostState(g.numel, pin=self.pin, moments=mo),
-                Tier.NVME: lambda: NvmeState(g.numel, self.swap.swapper, f"optim/g{g.index}", moments=mo)}
+                Tier.NVME: lambda: NvmeState(g.numel, self.swap.swapper, f"optim/g{g.index}", moments=mo,
+                                             lowp=tail)}
         return make[tier]()
 
     def _init_state(self, ratio: float) -> None:
         """Master weights from the store's current shards, zero moments; then the store switches to the
-        compute dtype (or, in fp32-alias mode, reads its shards from the optimizer's files)."""
+        compute dtype (or, in alias mode, reads its shards from the optimizer's files)."""
         store = self.store
         for g, tier in zip(self.groups, self._tiers(ratio)):
             g.state = self._new_state(g, tier)
         reader = None
-        if self._aliasing():
+        if self.in_state is not None:
             from infinity.engine.alias import OptimizerSliceReader
 
-            reader = OptimizerSliceReader(store)
+            reader = OptimizerSliceReader(store, self.in_state)
 
         def first(i: int, views) -> None:
             g = self.groups[i]
@@ -228,11 +239,16 @@ class ShardedAdam(torch.optim.Optimizer):
             views.exp_avg.zero_()
             views.exp_avg_sq.zero_()
             if reader is None:
-                self._publish(g, views.param)
-            else:  # the checksums of the initial shards, as they are about to be written
-                for mp, off in zip(g.params, g.offsets):
-                    reader.place(f"alias/{mp.index}", g.state.path, off, mp.part)
-                    reader.record(f"alias/{mp.index}", views.param[off:off + mp.part])
+                self._publish(g, views)
+                return
+            # The initial shards' places and checksums, as they are about to be written.
+            base = 0 if views.lowp is None else g.state.tail_offset
+            shards = views.param if views.lowp is None else views.lowp
+            if views.lowp is not None:
+                views.lowp.copy_(views.param)
+            for mp, off in zip(g.params, g.offsets):
+                reader.place(f"alias/{mp.index}", g.state.path, base + reader.itemsize * off, mp.part)
+                reader.record(f"alias/{mp.index}", shards[off:off + mp.part])
 
         StatePipeline(Mode.FILL).over(self._states(), first)
         if reader is not None:
@@ -242,14 +258,6 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _states(self) -> list[GroupState]:
         return [g.state for g in self.groups]
-
-    def _aliasing(self) -> bool:
-        """fp32 compute with every trained parameter's shard and every sub-group's state on NVMe: see [Note:
-        fp32 shards live in the optimizer file] in alias.py."""
-        nvme = self.store.nvme
-        return (nvme is not None and self.store.dtype == torch.float32 and bool(self.groups)
-                and all(g.state.tier is Tier.NVME for g in self.groups)
-                and all(mp.home is nvme for g in self.groups for mp in g.params))
 
     # ----------------------------------------------------------- gradients
 
@@ -409,16 +417,25 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _adam_work(self, g: _Group, hyper: dict):
         """What the pipeline does with a group's state in a step: Adam, then the new weights to the store."""
-        lowp = None if self.lowp is None else self.lowp[:g.numel]
-
         def work(views) -> None:
+            lowp = views.lowp  # the state's own tail, written with it (alias.py)
+            if lowp is None and self.lowp is not None:
+                lowp = self.lowp[:g.numel]
             wrote_lowp = g.state.adam(views, g.grad, lowp, hyper)
-            self._publish(g, views.param, lowp if wrote_lowp else None)
+            self._publish(g, views, lowp if wrote_lowp else None)
         return work
 
-    def _publish(self, g: _Group, master: torch.Tensor, lowp: torch.Tensor | None = None):
+    def _publish(self, g: _Group, views, lowp: torch.Tensor | None = None):
+        """The group's new weights (views.param, and `lowp` if the kernel wrote the compute-dtype copy there)
+        become the store's shards."""
+        master = views.param
         if self.store.alias is not None:  # the group's own write carries the shards, and their checksums
-            shards = [(f"alias/{mp.index}", off, mp.part) for mp, off in zip(g.params, g.offsets)]
+            base, size = 0, 4
+            if views.lowp is not None:
+                if lowp is None:  # not stepped (a checkpoint load): the copy is made from the master
+                    views.lowp.copy_(master)
+                base, size = g.state.tail_offset, views.lowp.element_size()
+            shards = [(f"alias/{mp.index}", base + size * off, mp.part) for mp, off in zip(g.params, g.offsets)]
             self.store.alias.record_on_write(g.state.swapper, g.state.id, shards)
             return
         src = lowp if lowp is not None else master
@@ -467,7 +484,7 @@ class ShardedAdam(torch.optim.Optimizer):
         def load(i: int, views) -> None:
             g = self.groups[i]
             g.state.import_(g, views, fill)
-            self._publish(g, views.param)
+            self._publish(g, views)
 
         StatePipeline(Mode.UPDATE if keep_unfilled else Mode.FILL).over(self._states(), load)
         self.store.flush()
@@ -487,6 +504,20 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.swap is not None:
             self.swap.close()
             self.swap = None
+
+
+def shards_in_state(store: ParamStore, groups: list[list], tier: Tier, ratio: float) -> torch.dtype | None:
+    """Whether the trained parameters' shards live in the optimizer's NVMe files instead of files of their own,
+    and in which dtype: the compute dtype (fp32: the master itself, see [Note: fp32 shards live in the optimizer
+    file]; bf16/fp16: a tail of the state, [Note: compute-dtype shards in the optimizer file], both in alias.py),
+    or None. They do when every sub-group (`groups`: each one's ManagedParams) is offloaded to NVMe and every
+    trained shard's home is NVMe."""
+    nvme = store.nvme
+    if nvme is None or not groups or tier is not Tier.NVME or int(ratio * len(groups)) < len(groups):
+        return None
+    if any(mp.home is not nvme for params in groups for mp in params):
+        return None
+    return store.dtype
 
 
 class _OneParam:

@@ -155,7 +155,7 @@ class ParamStore:
         self.swap = swap  # SwapContext-like: .pool, .swapper (tier nvme only)
         self.scheduler = scheduler
         self.params: list[ManagedParam] = []
-        self.alias = None  # OptimizerSliceReader in fp32-alias mode (alias.py)
+        self.alias = None  # OptimizerSliceReader in alias mode (alias.py)
         self.max_live = 1 << 62  # stage3_max_live_parameters (build_store sets it)
         self.live_elements = 0
         self.peak_live_elements = 0
@@ -346,11 +346,13 @@ class ParamStore:
         return _AliasRouter(self.alias, self.swap.swapper) if self.alias is not None else self.swap.swapper
 
     def alias_to(self, reader) -> None:
-        """Trainable fp32 shards are read from the optimizer's files from now on (see [Note: fp32 shards live
-        in the optimizer file]); their own swap files are deleted. Frozen ones keep theirs."""
+        """Trainable shards are read from the optimizer's files from now on, in reader.dtype (see [Note: fp32
+        shards live in the optimizer file] and [Note: compute-dtype shards in the optimizer file]); their own
+        swap files are deleted. Frozen ones keep theirs."""
         for mp in self.params:
             if mp.trainable:
                 mp.home.forget(mp)
+                mp.swap_dtype = reader.dtype
         self.alias = reader
 
     def retain(self, keep: set) -> None:

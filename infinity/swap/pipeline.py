@@ -114,7 +114,7 @@ class StatePipeline:
             self._held.append((state, result))
             return
         fut = state.close(write=True)
-        self.stats.bytes_written += state.io_bytes
+        self.stats.bytes_written += state.io_write_bytes
         if fut is not None:
             self._writes.append((state, fut))
 

@@ -41,10 +41,20 @@ class Partition:
     residency: Residency = Residency.ON_DISK
     buffer: object = None  # the PoolBuffer while READING/IN_CPU/WRITING
     dirty: bool = False  # IN_CPU bytes newer than the file (a write failed)
+    tail_nbytes: int = 0
+    """Bytes every write carries after the partition's own, from the same buffer, and no swap_in reads back: a
+    write-only tail whose readers read and check slices of it themselves (see [Note: compute-dtype shards in
+    the optimizer file] in engine/alias.py). The header's checksum covers only `nbytes`."""
 
     @property
     def nbytes(self) -> int:
+        """What a swap_in reads and the header's checksum covers."""
         return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def write_nbytes(self) -> int:
+        """What a swap_out writes: the partition and its tail."""
+        return self.nbytes + self.tail_nbytes
 
     def _check(self, expected: tuple, new: Residency) -> None:
         if self.residency not in expected:
@@ -113,10 +123,13 @@ class Registry:
         self._parts: dict[str, Partition] = {}
         self._lock = threading.Lock()
 
-    def register(self, id: str, *, dtype: torch.dtype, numel: int) -> Partition:
+    def register(self, id: str, *, dtype: torch.dtype, numel: int, tail_nbytes: int = 0) -> Partition:
         if not isinstance(numel, int) or numel < 0:
             raise ValueError(f"Registry.register: numel must be an int >= 0, got {numel!r} (partition {id})")
-        part = Partition(id=id, dtype=dtype, numel=numel)
+        if not isinstance(tail_nbytes, int) or tail_nbytes < 0:
+            raise ValueError(f"Registry.register: tail_nbytes must be an int >= 0, got {tail_nbytes!r} "
+                             f"(partition {id})")
+        part = Partition(id=id, dtype=dtype, numel=numel, tail_nbytes=tail_nbytes)
         with self._lock:
             if id in self._parts:
                 raise ValueError(f"Registry.register: partition {id!r} is already registered")

@@ -52,6 +52,9 @@ class AdamViews:
     """Adam's first moment (fp32, or bf16 with offload_optimizer.moments_dtype bf16)."""
     exp_avg_sq: torch.Tensor
     """Adam's second moment (the same dtype as exp_avg)."""
+    lowp: torch.Tensor | None = None
+    """Where the state keeps the weights' compute-dtype copy (NvmeState with `lowp`; see [Note: compute-dtype
+    shards in the optimizer file] in engine/alias.py), else None. Whoever writes the state writes it too."""
 
 
 class GroupState(abc.ABC):
@@ -75,8 +78,13 @@ class GroupState(abc.ABC):
 
     @property
     def io_bytes(self) -> int:
-        """Bytes one read (or one write) of the whole state moves to or from storage."""
+        """Bytes one read of the whole state moves from storage."""
         return 0
+
+    @property
+    def io_write_bytes(self) -> int:
+        """Bytes one write of it moves to storage (NvmeState with a compute-dtype copy: more than a read)."""
+        return self.io_bytes
 
     def prefetch(self, *, reserve: int = 0) -> None:
         """Start bringing the state in without waiting for a buffer (RAM tiers: nothing to do)."""
@@ -210,11 +218,17 @@ class NvmeState(GroupState):
     close() that buffer is the group's; close(write=True) hands it to the
     write and the swapper's reaper gives it back (see [Note: who releases a
     swap-out buffer] in swapper.py).
+
+    With `lowp` (a compute dtype), the partition has a write-only tail: the n
+    weights in that dtype (AdamViews.lowp), written with the state and never
+    read back with it (see [Note: compute-dtype shards in the optimizer file]
+    in engine/alias.py). A write then moves 2 bytes per parameter more than a read.
     """
 
     tier = Tier.NVME
 
-    def __init__(self, numel: int, swapper: TensorSwapper, part_id: str, *, moments: torch.dtype = torch.float32):
+    def __init__(self, numel: int, swapper: TensorSwapper, part_id: str, *, moments: torch.dtype = torch.float32,
+                 lowp: torch.dtype | None = None):
         super().__init__(numel, moments)
         self.swapper = swapper
         self.id = part_id
@@ -222,15 +236,31 @@ class NvmeState(GroupState):
         self._blank = None  # the pool buffer open(blank=True) took, until close() hands it to the write
         self._words = state_bytes(moments) * numel // 4
         """The partition's length in fp32 words (it is swapped as fp32; the moments are viewed in their dtype)."""
+        self.lowp = lowp
+        self.tail_nbytes = 0 if lowp is None else numel * torch.empty((), dtype=lowp).element_size()
+        """The compute-dtype copy's bytes, after the state's in the partition's buffer and file."""
 
     @property
     def io_bytes(self) -> int:
         return 4 * self._words
 
-    def _views(self, state: torch.Tensor) -> AdamViews:
+    @property
+    def io_write_bytes(self) -> int:
+        return 4 * self._words + self.tail_nbytes
+
+    @property
+    def tail_offset(self) -> int:
+        """Where the compute-dtype copy starts, in bytes after the swap file's header."""
+        return 4 * self._words
+
+    def _views(self, buf) -> AdamViews:
         n = self.numel
+        state = buf.view(torch.float32, self._words)
         moments = state[n:].view(self.moments)
-        return AdamViews(state[:n], moments[:n], moments[n:])
+        lowp = None
+        if self.lowp is not None:
+            lowp = buf.tensor[4 * self._words:4 * self._words + self.tail_nbytes].view(self.lowp)
+        return AdamViews(state[:n], moments[:n], moments[n:], lowp)
 
     @property
     def path(self) -> str:
@@ -259,10 +289,11 @@ class NvmeState(GroupState):
     def open(self, *, blank: bool = False) -> AdamViews:
         if blank:
             self._blank = self.swapper.pool.acquire(f"fill {self.id}")
-            return self._views(self._blank.view(torch.float32, self._words))
+            return self._views(self._blank)
         fut, self._read = self._read or self.swapper.swap_in(self.id), None
         self.last_read = fut
-        return self._views(fut.wait())  # a failed read has already given its buffer back
+        fut.wait()  # a failed read has already given its buffer back
+        return self._views(self.swapper.registry[self.id].buffer)
 
     def close(self, *, write: bool):
         sw = self.swapper
@@ -272,7 +303,7 @@ class NvmeState(GroupState):
                 sw.pool.release(buf)
                 return None
             try:
-                return sw.swap_out_buffer(self.id, buf, torch.float32, self._words)
+                return sw.swap_out_buffer(self.id, buf, torch.float32, self._words, tail_nbytes=self.tail_nbytes)
             except BaseException:
                 if sw.registry[self.id].buffer is not buf:  # the swapper did not take it over
                     sw.pool.release(buf)
@@ -281,7 +312,7 @@ class NvmeState(GroupState):
             sw.release(self.id)
             return None
         view = sw.registry[self.id].buffer.view(torch.float32, self._words)
-        return sw.swap_out(self.id, view)
+        return sw.swap_out(self.id, view, tail_nbytes=self.tail_nbytes)
 
     def abandon(self) -> None:
         sw = self.swapper

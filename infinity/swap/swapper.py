@@ -4,6 +4,8 @@ On-disk layout (one file per partition, `<nvme_path>/infinity-swap/[<kind>-]rank
   bytes [0, 4096)      header: UTF-8 JSON, padded with spaces: {"magic": "infinity-swap", "version": 1,
                        "id": ..., "dtype": "float32", "numel": N, "nbytes": B, "crc32c": C or null}
   bytes [4096, 4096+B) the partition's raw little-endian bytes (C-order), B = numel x element size
+  bytes [4096+B, 4096+B+T) a write-only tail, when the header has "tail_nbytes": T (Partition.tail_nbytes);
+                       swap_in never reads it and "crc32c" does not cover it
 The directory also holds `owner.pid`. A directory whose owner is dead holds
 leftovers of a crashed run: `leftovers="clear"` removes them, `"reuse"`
 registers every file whose header parses (its checksum is verified on first
@@ -192,7 +194,8 @@ class TensorSwapper:
                 head = json.loads(f.read(HEADER).decode("utf-8"))
             if head.get("magic") != "infinity-swap" or head.get("dtype") not in BY_NAME:
                 return False
-            self.registry.register(head["id"], dtype=BY_NAME[head["dtype"]], numel=int(head["numel"]))
+            self.registry.register(head["id"], dtype=BY_NAME[head["dtype"]], numel=int(head["numel"]),
+                                   tail_nbytes=int(head.get("tail_nbytes", 0)))
             self._crc[head["id"]] = head.get("crc32c")
             return True
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -205,16 +208,18 @@ class TensorSwapper:
 
     # ------------------------------------------------------------ swap out
 
-    def swap_out(self, part_id: str, tensor: torch.Tensor) -> SwapFuture:
+    def swap_out(self, part_id: str, tensor: torch.Tensor, *, tail_nbytes: int = 0) -> SwapFuture:
         """Write `tensor` as partition `part_id`; its pool buffer returns when the write lands.
 
         If the partition is IN_CPU and `tensor` is its buffer's view (modified
-        in place after swap_in), no copy is made.
+        in place after swap_in), no copy is made. A partition with a tail
+        (`tail_nbytes`, see Partition) is written from the buffer it holds,
+        tail included: it must be IN_CPU.
         """
         self._check_open()
         if tensor.device != HOST or not tensor.is_contiguous():
             raise ValueError(f"swap_out({part_id!r}): needs a contiguous CPU tensor")
-        part = self._partition_for(part_id, tensor.dtype, tensor.numel())
+        part = self._partition_for(part_id, tensor.dtype, tensor.numel(), tail_nbytes)
         with self._lock:
             if part.residency is Residency.IN_CPU:
                 # The write starts under the same lock as the check, so no
@@ -228,6 +233,9 @@ class TensorSwapper:
             if part.residency is not Residency.ON_DISK:
                 raise RuntimeError(f"swap_out({part_id!r}): partition is {part.residency.name}; wait for its "
                                    "pending swap first")
+            if part.tail_nbytes:
+                raise ValueError(f"swap_out({part_id!r}): a partition with a {part.tail_nbytes}-byte tail is "
+                                 "written from the buffer that holds it (swap it in, or use swap_out_buffer)")
         buf = self.pool.acquire(owner=f"swap_out:{part_id}")
         try:
             buf.view(part.dtype, part.numel).copy_(tensor.reshape(-1))
@@ -238,22 +246,27 @@ class TensorSwapper:
             raise
         return self._write(part, buf)
 
-    def swap_out_buffer(self, part_id: str, buf, dtype: torch.dtype, numel: int) -> SwapFuture:
-        """Write the first numel `dtype` values of a pool buffer the caller holds; the swapper takes it over.
+    def swap_out_buffer(self, part_id: str, buf, dtype: torch.dtype, numel: int, *,
+                        tail_nbytes: int = 0) -> SwapFuture:
+        """Write the first numel `dtype` values of a pool buffer the caller holds (and `tail_nbytes` after them,
+        see Partition); the swapper takes it over.
 
         This is how state is first written without a second buffer. On an
         argument error the buffer stays the caller's.
         """
         self._check_open()
-        part = self._partition_for(part_id, dtype, numel)
+        part = self._partition_for(part_id, dtype, numel, tail_nbytes)
+        if part.write_nbytes > self.pool.size:
+            raise ValueError(f"swap_out_buffer({part_id!r}): {part.write_nbytes} bytes do not fit a "
+                             f"{self.pool.size}-byte pool buffer")
         with self._lock:
             part.begin_write(buf)  # asserts ON_DISK or IN_CPU
         return self._write(part, buf)
 
     def on_next_write(self, part_id: str, fn) -> None:
-        """Run fn(view of the bytes) on the write reaper during the next write of `part_id`, beside its own
-        checksum and before its future completes (an error fn raises goes to that future). It replaces a hook
-        set earlier and not yet run."""
+        """Run fn(buffer) on the write reaper during the next write of `part_id` (the PoolBuffer it is written
+        from, tail included), beside its own checksum and before its future completes (an error fn raises goes
+        to that future). It replaces a hook set earlier and not yet run."""
         with self._lock:
             self._on_write[part_id] = fn
 
@@ -264,7 +277,7 @@ class TensorSwapper:
         """
         try:
             _header_text(part, 0xFFFFFFFF)  # an id too long for the header fails here, not in the reaper
-            futs = [self.aio.pwrite(buf.tensor, self.path_of(part.id), HEADER, nbytes=part.nbytes)]
+            futs = [self.aio.pwrite(buf.tensor, self.path_of(part.id), HEADER, nbytes=part.write_nbytes)]
         except BaseException:
             with self._lock:
                 part.fail_write()
@@ -273,14 +286,16 @@ class TensorSwapper:
         self._writes.put(_Reap("out", part, futs, out))
         return out
 
-    def _partition_for(self, part_id: str, dtype: torch.dtype, numel: int) -> Partition:
+    def _partition_for(self, part_id: str, dtype: torch.dtype, numel: int, tail_nbytes: int = 0) -> Partition:
         try:
             part = self.registry[part_id]
         except KeyError:
-            return self.registry.register(part_id, dtype=dtype, numel=numel)
-        if part.dtype != dtype or part.numel != numel:
-            raise ValueError(f"swap_out({part_id!r}): registered as {part.numel} x {part.dtype}, got "
-                             f"{numel} x {dtype}")
+            return self.registry.register(part_id, dtype=dtype, numel=numel, tail_nbytes=tail_nbytes)
+        if part.dtype != dtype or part.numel != numel or part.tail_nbytes != tail_nbytes:
+            def what(n, d, tail):
+                return f"{n} x {d}" + (f" with a {tail}-byte tail" if tail else "")
+            raise ValueError(f"swap_out({part_id!r}): registered as {what(part.numel, part.dtype, part.tail_nbytes)}"
+                             f", got {what(numel, dtype, tail_nbytes)}")
         return part
 
     # ------------------------------------------------------------- swap in
@@ -387,7 +402,7 @@ class TensorSwapper:
             with self._lock:
                 hook = self._on_write.pop(part.id, None)
             if hook is not None:
-                hook(part.buffer.view(part.dtype, part.numel))
+                hook(part.buffer)
             crc = crc32c(part.buffer.tensor, part.nbytes) if self.checksums else None
             head = self._headers.pop() if self._headers else aligned_empty(HEADER, pin=False)
             text = _header_text(part, crc)
@@ -404,7 +419,7 @@ class TensorSwapper:
             if error is None:
                 self._crc[part.id] = crc
                 buf = part.finish_write()
-                self.bytes_written += part.nbytes
+                self.bytes_written += part.write_nbytes
             else:
                 part.fail_write()  # the bytes are still good in the buffer
                 buf = None
@@ -475,9 +490,11 @@ class TensorSwapper:
 
 
 def _header_text(part: Partition, crc) -> bytes:
-    text = json.dumps({"magic": "infinity-swap", "version": 1, "id": part.id,
-                       "dtype": name_of(part.dtype), "numel": part.numel, "nbytes": part.nbytes,
-                       "crc32c": crc}).encode()
+    head = {"magic": "infinity-swap", "version": 1, "id": part.id, "dtype": name_of(part.dtype),
+            "numel": part.numel, "nbytes": part.nbytes, "crc32c": crc}
+    if part.tail_nbytes:
+        head["tail_nbytes"] = part.tail_nbytes
+    text = json.dumps(head).encode()
     if len(text) > HEADER:
         raise ValueError(f"partition id {part.id!r} is too long for the swap-file header")
     return text

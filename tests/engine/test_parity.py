@@ -181,32 +181,40 @@ def test_two_gloo_ranks_on_nvme_match_one_rank(reference, disk_dir, tmp_path):
     assert rel_err(reference[:6], got) <= 1e-5
 
 
-def test_fp32_nvme_moves_28_bytes_per_parameter_and_detects_a_flipped_byte(disk_dir):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nvme_moves_28_bytes_per_parameter_and_detects_a_flipped_byte(disk_dir, precision):
     import infinity
     from infinity.engine import initialize
     from infinity.testing.parity import batch
 
     torch.manual_seed(0)
     # Room to read every sub-group's state ahead (3 groups; one buffer stays free for the critical path).
-    cfg = tier_config("nvme", disk_dir, **{"zero_optimization.offload_optimizer.buffer_count": 6})
+    cfg = tier_config("nvme", disk_dir, **{"zero_optimization.offload_optimizer.buffer_count": 6,
+                                           "bf16.enabled": precision == "bf16"})
     with zero_init(cfg):
         model = GPT(MODEL)
     engine = initialize(model, cfg)
+    e = 4 if precision == "fp32" else 2
     try:
-        assert engine.store.alias is not None, "fp32 shards are read from the optimizer's files"
+        assert engine.store.alias is not None, "shards are read from the optimizer's files"
+        assert engine.store.alias.dtype == engine.store.dtype
         numel = sum(mp.numel for mp in engine.store.params)
         for s in range(3):
             x, y = batch(s)
             engine.backward(engine(x, y))
             engine.step()
         r = engine.last_report
-        # forward 4 + read p, m, v 12 + write p, m, v 12: backward's weights come from the read Adam uses, so
-        # only forward reads shards. The tied embedding is read at both of its forward uses (they are further
-        # apart than the reuse distance).
+        # fp32: forward 4 + read p, m, v 12 + write p, m, v 12. bf16: forward 2 + read 12 + write 12 and the
+        # bf16 weights 2, in the same write ([Note: compute-dtype shards in the optimizer file]). Backward's
+        # weights come from the read Adam uses, so only forward reads shards. The tied embedding is read at both
+        # of its forward uses (they are further apart than the reuse distance).
         assert r.param_lent > 0
-        assert r.param_read_bytes <= 4 * (numel + model.wte.weight.numel())
-        assert r.optimizer_read_bytes == r.optimizer_write_bytes == 12 * sum(mp.part for mp in engine.store.params)
+        assert r.param_read_bytes <= e * (numel + model.wte.weight.numel())
+        part = sum(mp.part for mp in engine.store.params)
+        assert r.optimizer_read_bytes == 12 * part
+        assert r.optimizer_write_bytes == (12 if e == 4 else 14) * part
         assert r.param_write_bytes == 0
+        assert r.optimizer_read_bytes + r.optimizer_write_bytes + r.param_read_bytes <= 28 * part + e * numel
         mp = engine.store.params[5]
         path, offset, _ = engine.store.alias.where[f"alias/{mp.index}"]
         with open(path, "r+b") as f:
@@ -222,7 +230,8 @@ def test_fp32_nvme_moves_28_bytes_per_parameter_and_detects_a_flipped_byte(disk_
         engine.close()
 
 
-def test_fp32_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatch, precision):
     # "Checksums on, off the step thread": after each step the shards' CRCs come from the group's bytes as
     # the swapper writes them; the step thread only checks them after reads (the flipped-byte test above
     # shows they still catch corruption).
@@ -233,10 +242,11 @@ def test_fp32_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatc
     from infinity.testing.parity import batch
 
     torch.manual_seed(0)
-    cfg = tier_config("nvme", disk_dir)
+    cfg = tier_config("nvme", disk_dir, **{"bf16.enabled": precision == "bf16"})
     with zero_init(cfg):
         model = GPT(MODEL)
     engine = initialize(model, cfg)
+    e = 4 if precision == "fp32" else 2
     taken = []
     real = alias.crc32c
 
@@ -252,7 +262,7 @@ def test_fp32_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatc
             x, y = batch(s)
             engine.backward(engine(x, y))
             engine.step()
-            shards = sum(4 * mp.part for mp in engine.store.params if mp.trainable)
+            shards = sum(e * mp.part for mp in engine.store.params if mp.trainable)
             on_reaper = sum(n for who, n in taken if who == "infinity-swap-write-reaper")
             assert on_reaper == shards, (on_reaper, shards)
             # On the step thread: only the checks of the shards this step read, never a new shard's checksum.
@@ -282,7 +292,7 @@ def test_a_shard_whose_group_write_never_ran_is_refused_not_read_stale(disk_dir)
         engine.step()
         opt = engine.optimizer
         g = opt.groups[0]
-        shards = [(f"alias/{mp.index}", off, mp.part) for mp, off in zip(g.params, g.offsets)]
+        shards = [(f"alias/{mp.index}", 4 * off, mp.part) for mp, off in zip(g.params, g.offsets)]
         engine.store.alias.record_on_write(g.state.swapper, g.state.id, shards)  # as _publish does; no write
         x, y = batch(1)
         with pytest.raises(RuntimeError, match="never completed .* older weights"):
@@ -332,10 +342,13 @@ def test_bf16_nvme_reads_each_shard_only_in_forward(disk_dir):
     model = GPT(MODEL)
     numel = sum(p.numel() for p in model.parameters())
     r = reports[-1]
-    # forward 2 (the tied embedding twice) + read p, m, v 12 + write p, m, v 12 + the new bf16 shards 2
+    # forward 2 (the tied embedding twice) + read p, m, v 12 + write p, m, v 12 + the new bf16 shards 2, which
+    # the optimizer's write carries ([Note: compute-dtype shards in the optimizer file]): no parameter file is
+    # written
     assert r.param_lent > 0 and r.param_read_bytes <= 2 * (numel + model.wte.weight.numel())
-    assert r.optimizer_read_bytes == r.optimizer_write_bytes == 12 * numel
-    assert r.param_write_bytes == 2 * numel
+    assert r.optimizer_read_bytes == 12 * numel
+    assert r.optimizer_write_bytes == 14 * numel
+    assert r.param_write_bytes == 0
 
 
 def test_optimizer_in_ram_serves_every_nvme_shard_read(disk_dir):

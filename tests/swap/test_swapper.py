@@ -46,6 +46,40 @@ def test_file_layout_matches_the_spec(swapper):
     assert raw[HEADER:] == t.numpy().tobytes() and isinstance(head["crc32c"], int)
 
 
+def test_a_write_only_tail_is_written_never_read_back_and_outside_the_checksum(swapper, disk_dir):
+    # [Note: compute-dtype shards in the optimizer file]: a partition's write carries `tail_nbytes` more bytes
+    # from its buffer; swap_in reads only the partition, and the header's CRC covers only the partition.
+    buf = swapper.pool.acquire("test")
+    state, tail = buf.view(torch.float32, 1000), buf.tensor[4000:4000 + 2 * 1000].view(torch.bfloat16)
+    state.copy_(torch.arange(1000.0))
+    tail.copy_(torch.arange(1000.0) / 7)
+    swapper.swap_out_buffer("g", buf, torch.float32, 1000, tail_nbytes=2000).wait()
+    assert swapper.bytes_written == 6000 and swapper.pool.free_count == 4
+    path = swapper.path_of("g")
+    raw = open(path, "rb").read()
+    head = json.loads(raw[:HEADER].decode())
+    assert head["nbytes"] == 4000 and head["tail_nbytes"] == 2000 and len(raw) == HEADER + 6000
+    assert raw[HEADER + 4000:] == (torch.arange(1000.0) / 7).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    with open(path, "r+b") as f:  # a flipped tail byte is the tail readers' to catch, not the partition's
+        f.seek(HEADER + 4100)
+        f.write(b"\xff")
+    view = swapper.swap_in("g").wait()
+    assert torch.equal(view, torch.arange(1000.0)) and swapper.bytes_read == 4000
+    view.add_(1)
+    swapper.swap_out("g", view, tail_nbytes=2000).wait()  # written from the buffer it holds, tail included
+    assert swapper.bytes_written == 12000
+    # A copy into a fresh buffer would leave the tail undefined, so it is refused; so is a tail-less call.
+    with pytest.raises(ValueError, match=r"a partition with a 2000-byte tail is written from the buffer that "
+                                         r"holds it"):
+        swapper.swap_out("g", torch.zeros(1000), tail_nbytes=2000)
+    with pytest.raises(ValueError, match=r"registered as 1000 x torch.float32 with a 2000-byte tail, got 1000 x "
+                                         r"torch.float32$"):
+        swapper.swap_out("g", torch.zeros(1000))
+    with pytest.raises(ValueError, match=r"do not fit a 1048576-byte pool buffer"):
+        swapper.swap_out_buffer("big", swapper.pool.acquire("t2"), torch.float32, 1000, tail_nbytes=1 << 20)
+    assert swapper.pool.free_count == 3  # an argument error leaves the buffer the caller's
+
+
 def test_in_place_update_is_written_without_a_copy(swapper):
     swapper.swap_out("m", torch.zeros(1000)).wait()
     view = swapper.swap_in("m").wait()
@@ -127,6 +161,9 @@ from infinity.swap import BufferPool, TensorSwapper
 sw = TensorSwapper(sys.argv[1], BufferPool(2, 1 << 16, pin=False))
 sw.swap_out("opt/g0", torch.arange(1000, dtype=torch.float32)).wait()
 sw.swap_out("opt/g1", torch.ones(10, dtype=torch.bfloat16)).wait()
+buf = sw.pool.acquire("tail")
+buf.view(torch.float32, 3).copy_(torch.tensor([1.0, 2.0, 3.0]))
+sw.swap_out_buffer("opt/g2", buf, torch.float32, 3, tail_nbytes=6).wait()
 os._exit(0)  # dies without close(): the files stay
 """
 
@@ -139,22 +176,24 @@ def crashed_dir(disk_dir):
 
 
 def test_leftovers_cleared_and_reported(crashed_dir):
-    with pytest.warns(UserWarning, match="removed 2 swap files left in .* by a crashed run"):
+    with pytest.warns(UserWarning, match="removed 3 swap files left in .* by a crashed run"):
         sw = TensorSwapper(crashed_dir, BufferPool(2, 4096, pin=False))
-    assert sw.leftovers_found == 2 and len(sw.registry) == 0
+    assert sw.leftovers_found == 3 and len(sw.registry) == 0
     sw.close()
 
 
 def test_leftovers_reused(crashed_dir):
-    with pytest.warns(UserWarning, match="reusing 2 of 2 swap files"):
+    with pytest.warns(UserWarning, match="reusing 3 of 3 swap files"):
         sw = TensorSwapper(crashed_dir, BufferPool(2, 1 << 16, pin=False), leftovers="reuse")
     assert torch.equal(sw.swap_in("opt/g0").wait(), torch.arange(1000, dtype=torch.float32))
     assert sw.registry["opt/g1"].dtype == torch.bfloat16
+    assert sw.registry["opt/g2"].tail_nbytes == 6  # the header keeps it: the next write carries the tail again
+    assert torch.equal(sw.swap_in("opt/g2").wait(), torch.tensor([1.0, 2.0, 3.0]))
     sw.close()
 
 
 def test_leftovers_refused(crashed_dir):
-    with pytest.raises(RuntimeError, match=r"holds 2 swap files from a crashed run; remove them, or set "
+    with pytest.raises(RuntimeError, match=r"holds 3 swap files from a crashed run; remove them, or set "
                                            r"infinity.leftovers to \"clear\" or \"reuse\""):
         TensorSwapper(crashed_dir, BufferPool(2, 4096, pin=False), leftovers="error")
 
@@ -226,8 +265,9 @@ def test_a_write_hook_sees_the_written_bytes_once_and_its_error_reaches_the_writ
 
     t = torch.arange(1000, dtype=torch.float32)
     seen = []
-    swapper.on_next_write("p", lambda v: seen.append(("replaced", v.clone())))
-    swapper.on_next_write("p", lambda v: seen.append((threading.current_thread().name, v.clone())))
+    swapper.on_next_write("p", lambda b: seen.append(("replaced", b.view(torch.float32, 1000).clone())))
+    swapper.on_next_write("p", lambda b: seen.append((threading.current_thread().name,
+                                                      b.view(torch.float32, 1000).clone())))
     swapper.swap_out("p", t).wait()
     assert len(seen) == 1 and seen[0][0] == "infinity-swap-write-reaper" and torch.equal(seen[0][1], t)
     swapper.swap_out("p", t + 1).wait()  # one-shot: the next write runs no hook

@@ -192,7 +192,10 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
             reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)} needs {format_size_h(need)} "
                            f"before any swap buffer")
             continue
-        sizing = _size_pools(c.pools, left, shape, shard, largest_shard, full_grads, sb)
+        # With both on NVMe in bf16/fp16 an optimizer buffer also holds its sub-group's compute-dtype weights
+        # ([Note: compute-dtype shards in the optimizer file] in engine/alias.py).
+        ob = sb + (e if c.pools == "both" and e != 4 else 0)
+        sizing = _size_pools(c.pools, left, shape, shard, largest_shard, full_grads, ob)
         if sizing is None:
             reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)}: the {format_size_h(left)} left "
                            f"cannot hold the smallest working set of buffers")
