@@ -301,9 +301,17 @@ def test_a_shard_whose_group_write_never_ran_is_refused_not_read_stale(disk_dir)
         engine.close()
 
 
-def test_bf16_on_nvme_is_bit_identical_to_bf16_in_ram(disk_dir):
-    ram = engine_losses(engine_config("cpu", **{"bf16.enabled": True}), 8)
-    assert engine_losses(tier_config("nvme", disk_dir, **{"bf16.enabled": True}), 8) == ram
+@pytest.mark.parametrize("over", [{"bf16.enabled": True}, {"fp16.enabled": True},
+                                  {"bf16.enabled": True, "zero_optimization.offload_optimizer.moments_dtype": "bf16"}],
+                         ids=["bf16", "fp16", "bf16-moments"])
+def test_low_precision_on_nvme_is_bit_identical_to_ram(disk_dir, over):
+    # On NVMe the compute-dtype shards are the optimizer file's tail ([Note: compute-dtype shards in the
+    # optimizer file]); fp16 steps after backward (the overflow check), bf16 during it.
+    moments = over.get("zero_optimization.offload_optimizer.moments_dtype")
+    ram = engine_losses(engine_config("cpu", **over), 8)
+    assert engine_losses(tier_config("nvme", disk_dir, **over), 8) == ram
+    if moments:  # the tail starts after 8 B/param of state, not 12
+        assert engine_losses(engine_config("cpu", **{k: v for k, v in over.items() if "moments" not in k}), 8) != ram
 
 
 def _without_lending(monkeypatch):
