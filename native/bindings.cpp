@@ -277,6 +277,8 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0, py::arg("portable") = false,
       "CRC-32C of nbytes at ptr (hardware when available; portable=True forces the table).");
+  m.def("crc32c_combine", &infinity::cpu::crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
+        "crc32c(A || B) from crc32c(A), crc32c(B) and len(B) (both CRCs from seed 0).");
   m.def("set_num_threads", &infinity::cpu::set_num_threads, "Threads for CPU kernels; < 1 means all cores.");
   m.def("get_num_threads", &infinity::cpu::num_threads);
   m.def("simd_level", [] { return std::string(infinity::cpu::simd_name(infinity::cpu::active_simd())); });

@@ -11,7 +11,9 @@ by the parameter store. Its CRC-32C is taken from the bytes the group's write
 carries (on the swapper's write reaper, before that write completes; at setup
 when the first state is made) and checked after each read; the
 file's own header checksum still covers the whole group on the optimizer's
-reads. Reads of a group's slices never race its write: a shard's group is
+reads. The shards tile the p region, so their CRCs, combined, are the CRC of
+p, and the group's checksum continues from there over m and v: each byte is
+checksummed once per write. Reads of a group's slices never race its write: a shard's group is
 written only once its gradient is final, after its last use in the step,
 and every write has landed before the next forward starts. From the moment
 the optimizer produces new values until the write's reaper has taken their
@@ -46,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from infinity.errors import SwapCorruptionError
-from infinity.swap.checksum import crc32c
+from infinity.swap.checksum import crc32c, crc32c_combine
 from infinity.swap.swapper import HEADER
 
 PENDING = -1  # no CRC-32C is negative: the shard's new values are not known to be in its file yet
@@ -108,9 +110,18 @@ class OptimizerSliceReader:
             self.crc[sid] = PENDING
         size = self.itemsize
 
-        def take(buf) -> None:
+        def take(buf):
+            # Shards that tile the partition from its first byte (fp32: the p region) hand their CRCs on,
+            # combined, so that the partition's own checksum does not read those bytes a second time.
+            end, whole = 0, 0
             for sid, off, numel in shards:
-                self.crc[sid] = crc32c(buf.tensor[off:off + numel * size], numel * size)
+                crc = crc32c(buf.tensor[off:off + numel * size], numel * size)
+                self.crc[sid] = crc
+                if end is not None and off == end:
+                    whole, end = crc32c_combine(whole, crc, numel * size), end + numel * size
+                else:
+                    end = None
+            return None if not end else (end, whole)
 
         swapper.on_next_write(state_id, take)
 

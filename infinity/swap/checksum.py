@@ -22,6 +22,31 @@ def crc32c(t: torch.Tensor, nbytes: int | None = None, seed: int = 0) -> int:
     return crc ^ 0xFFFFFFFF
 
 
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """crc32c(A + B) from crc32c(A), crc32c(B) (both from seed 0) and len(B), without the bytes (see [Note:
+    combining finished CRCs] in native/cpu/crc32c.cpp)."""
+    if native is not None:
+        return native.crc32c_combine(crc_a, crc_b, len_b)
+    result, base = 0x80000000, 0x00800000  # x^0 and x^8 in the register's reflected order
+    n = len_b
+    while n:
+        if n & 1:
+            result = _gf2_mul(result, base)
+        base = _gf2_mul(base, base)
+        n >>= 1
+    return _gf2_mul(crc_a, result) ^ crc_b
+
+
+def _gf2_mul(a: int, b: int) -> int:
+    prod = 0
+    for _ in range(32):
+        if a & 0x80000000:
+            prod ^= b
+        a = (a << 1) & 0xFFFFFFFF
+        b = (b >> 1) ^ (0x82F63B78 if b & 1 else 0)
+    return prod
+
+
 _TABLE: list[int] = []
 
 

@@ -265,8 +265,10 @@ class TensorSwapper:
 
     def on_next_write(self, part_id: str, fn) -> None:
         """Run fn(buffer) on the write reaper during the next write of `part_id` (the PoolBuffer it is written
-        from, tail included), beside its own checksum and before its future completes (an error fn raises goes
-        to that future). It replaces a hook set earlier and not yet run."""
+        from, tail included), before its own checksum and before its future completes (an error fn raises goes
+        to that future). fn may return (k, crc): the CRC-32C of the buffer's first k bytes, which the
+        partition's checksum then continues from instead of reading them again. It replaces a hook set earlier
+        and not yet run."""
         with self._lock:
             self._on_write[part_id] = fn
 
@@ -401,9 +403,13 @@ class TensorSwapper:
         try:
             with self._lock:
                 hook = self._on_write.pop(part.id, None)
-            if hook is not None:
-                hook(part.buffer)
-            crc = crc32c(part.buffer.tensor, part.nbytes) if self.checksums else None
+            covered = hook(part.buffer) if hook is not None else None
+            crc = None
+            if self.checksums:
+                k, crc = covered if covered is not None else (0, 0)
+                if not 0 <= k <= part.nbytes:
+                    raise ValueError(f"write hook of {part.id}: it covered {k} bytes of {part.nbytes}")
+                crc = crc32c(part.buffer.tensor[k:], part.nbytes - k, seed=crc)
             head = self._headers.pop() if self._headers else aligned_empty(HEADER, pin=False)
             text = _header_text(part, crc)
             head.fill_(ord(" "))

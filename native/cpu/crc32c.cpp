@@ -105,6 +105,15 @@ uint32_t crc32c_portable(const void* data, size_t n, uint32_t crc) {
   return ~crc;
 }
 
+// [Note: combining finished CRCs]
+// The register update is linear: feeding B to register s gives
+// s * x^(8|B|) xor f(0, B). A finished CRC is the register inverted, and both
+// A and B start from the inverted zero, so the inversions cancel:
+// crc(A||B) xor crc(B) = (R_A xor ~0) * x^(8|B|) = crc(A) * x^(8|B|).
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  return gf2_mul(crc_a, x_pow_8n(len_b)) ^ crc_b;
+}
+
 uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool hw = has_sse42();

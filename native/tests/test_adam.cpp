@@ -146,6 +146,10 @@ int main() {
   for (size_t split : {1ul, 12288ul, 12290ul, 50000ul})
     CHECK(crc32c(bytes.data() + split, bytes.size() - split, crc32c(bytes.data(), split)) ==
           crc32c_portable(bytes.data(), bytes.size()));
+  // Combining finished CRCs: crc(A||B) from crc(A), crc(B) and |B|, at splits inside and across lanes.
+  for (size_t split : {0ul, 1ul, 4097ul, 12288ul, 50000ul, bytes.size()})
+    CHECK(crc32c_combine(crc32c(bytes.data(), split), crc32c(bytes.data() + split, bytes.size() - split),
+                         bytes.size() - split) == crc32c_portable(bytes.data(), bytes.size()));
   std::printf("%s\n", g_failures ? "adam tests FAILED" : "adam tests passed");
   return g_failures ? 1 : 0;
 }

@@ -238,6 +238,7 @@ def test_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatch, pr
     import threading
 
     import infinity.engine.alias as alias
+    import infinity.swap.swapper as swapper_module
     from infinity.engine import initialize
     from infinity.testing.parity import batch
 
@@ -255,16 +256,30 @@ def test_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatch, pr
         return real(t, nbytes, *a, **k)
 
     monkeypatch.setattr(alias, "crc32c", spy)
+    whole = []
+    real_sw = swapper_module.crc32c
+
+    def spy_sw(t, nbytes, *a, **k):
+        whole.append((threading.current_thread().name, nbytes))
+        return real_sw(t, nbytes, *a, **k)
+
+    monkeypatch.setattr(swapper_module, "crc32c", spy_sw)
     try:
         assert engine.store.alias is not None
         for s in range(2):
             taken.clear()
+            whole.clear()
             x, y = batch(s)
             engine.backward(engine(x, y))
             engine.step()
-            shards = sum(e * mp.part for mp in engine.store.params if mp.trainable)
+            part = sum(mp.part for mp in engine.store.params if mp.trainable)
+            shards = e * part
             on_reaper = sum(n for who, n in taken if who == "infinity-swap-write-reaper")
             assert on_reaper == shards, (on_reaper, shards)
+            # The groups' own checksums ([p | m | v]) continue from the shards' combined CRCs in fp32, so the p
+            # region is not read twice; in bf16 the shards are the tail, outside that checksum.
+            group_crc = sum(n for who, n in whole if who == "infinity-swap-write-reaper")
+            assert group_crc == (8 if e == 4 else 12) * part, (group_crc, part)
             # On the step thread: only the checks of the shards this step read, never a new shard's checksum.
             on_main = sum(n for who, n in taken if who == threading.main_thread().name)
             assert on_main == engine.last_report.param_read_bytes, (on_main, engine.last_report.param_read_bytes)
