@@ -604,10 +604,16 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
     part = {k: math.ceil(p.numel() / world) for k, p in params.items()}
     # [Note: swap files during setup] While the optimizer writes its first state, each sub-group's fp32
     # parameter files (from zero_init, or adopted now) are removed as the group's compute-dtype copies are
-    # written, after its state: the fp32 files and the copies never coexist beyond one sub-group. So a
-    # filesystem holding both needs the larger of "every fp32 file" and "every copy plus the optimizer
-    # state", less what the files already written under zero_init take now (free space excludes them).
+    # written (their own files; or, with the copies in the optimizer file's tail, as soon as the group has
+    # read them): the fp32 files and the copies never coexist beyond one sub-group. So a filesystem holding
+    # both needs the larger of "every fp32 file" and "every copy plus the optimizer state", less what the
+    # files already written under zero_init take now (free space excludes them). With the copies in the
+    # tail (bf16/fp16, both on NVMe, no max_in_cpu, ratio 1: [Note: compute-dtype shards in the optimizer
+    # file]) the trained ones are on the optimizer's filesystem.
     fp32_files = existing = final = opt_bytes = 0
+    off_o = zero.offload_optimizer
+    tail = (store.tier is Tier.NVME and store.dtype != torch.float32 and Tier(off_o.device) is Tier.NVME
+            and zero.offload_param.max_in_cpu == 0 and off_o.ratio >= 1)
     if store.tier is Tier.NVME:
         compute = torch.empty((), dtype=store.dtype).element_size()
         for k, p in params.items():
@@ -620,9 +626,11 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
                 existing += 4 * part[k]
         # fp32 compute keeps the fp32 files (with alias mode they are removed once the optimizer file holds
         # the shards: counting them is conservative).
-        final = sum(compute * part[k] for k in params) if compute != 4 else fp32_files
-    if Tier(zero.offload_optimizer.device) is Tier.NVME:
-        opt_bytes = state_bytes(MOMENT_DTYPES[zero.offload_optimizer.moments_dtype]) * sum(part[k] for k in trained)
+        final = sum(compute * part[k] for k in params if not (tail and k in trained)) if compute != 4 \
+            else fp32_files
+    if Tier(off_o.device) is Tier.NVME:
+        per = state_bytes(MOMENT_DTYPES[off_o.moments_dtype]) + (store.dtype.itemsize if tail else 0)
+        opt_bytes = per * sum(part[k] for k in trained)
     need: dict = {}  # filesystem -> [a path on it, bytes for parameters, bytes for the optimizer]
     p_dev = os.stat(zero.offload_param.nvme_path).st_dev if fp32_files else None
     o_dev = os.stat(zero.offload_optimizer.nvme_path).st_dev if opt_bytes else None

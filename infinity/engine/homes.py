@@ -77,9 +77,10 @@ class RamHome(ShardHome):
 class NvmeHome(ShardHome):
     """offload_param nvme: each shard is a swap file, read through the prefetch scheduler in forward/backward.
 
-    In fp32-alias mode a trainable parameter's shard is read from its slice
-    of the optimizer's group file instead (see [Note: fp32 shards live in the
-    optimizer file] in alias.py), and only the optimizer writes it.
+    In alias mode a trainable parameter's shard is read from its slice of the
+    optimizer's group file instead (the fp32 master, or the compute-dtype tail:
+    see [Note: fp32 shards live in the optimizer file] and [Note: compute-dtype
+    shards in the optimizer file] in alias.py), and only the optimizer writes it.
     """
 
     tier = Tier.NVME
@@ -123,7 +124,7 @@ class NvmeHome(ShardHome):
 
     def write(self, mp, values: torch.Tensor, dtype: torch.dtype):
         if self.store.alias is not None and mp.trainable:
-            raise RuntimeError(f"{mp.name}: its fp32 shard lives in the optimizer's file (alias mode); "
+            raise RuntimeError(f"{mp.name}: its shard lives in the optimizer's file (alias mode); "
                                "only the optimizer writes it")
         if mp.swap_dtype != dtype:
             self.swapper.remove(self.swap_id(mp))
@@ -133,8 +134,9 @@ class NvmeHome(ShardHome):
         return self.swapper.swap_out(self.swap_id(mp), values.to(HOST, dtype).contiguous())
 
     def forget(self, mp) -> None:
-        if not mp.unwritten:
-            self.swapper.remove(self.swap_id(mp))
+        sid = self.swap_id(mp)
+        if not mp.unwritten and sid in self.swapper.registry:  # forgetting twice is a no-op
+            self.swapper.remove(sid)
 
     def flush(self) -> None:
         self.swapper.flush()

@@ -246,6 +246,8 @@ class ShardedAdam(torch.optim.Optimizer):
             shards = views.param if views.lowp is None else views.lowp
             if views.lowp is not None:
                 views.lowp.copy_(views.param)
+                for mp in g.params:  # read: the group's file is their home now (see [Note: swap files during setup])
+                    mp.home.forget(mp)
             for mp, off in zip(g.params, g.offsets):
                 reader.place(f"alias/{mp.index}", g.state.path, base + reader.itemsize * off, mp.part)
                 reader.record(f"alias/{mp.index}", shards[off:off + mp.part])

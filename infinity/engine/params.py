@@ -341,8 +341,8 @@ class ParamStore:
             mp.home.keep(mp, shard)
 
     def reader(self):
-        """What shard reads go through: the parameter swapper, or in fp32-alias mode a router that sends
-        trainable parameters to the optimizer-slice reader (alias.py) and frozen ones to their own files."""
+        """What shard reads go through: the parameter swapper, or in alias mode a router that sends trainable
+        parameters to the optimizer-slice reader (alias.py) and frozen ones to their own files."""
         return _AliasRouter(self.alias, self.swap.swapper) if self.alias is not None else self.swap.swapper
 
     def alias_to(self, reader) -> None:

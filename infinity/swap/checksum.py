@@ -25,8 +25,9 @@ def crc32c(t: torch.Tensor, nbytes: int | None = None, seed: int = 0) -> int:
 def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """crc32c(A + B) from crc32c(A), crc32c(B) (both from seed 0) and len(B), without the bytes (see [Note:
     combining finished CRCs] in native/cpu/crc32c.cpp)."""
-    if native is not None:
-        return native.crc32c_combine(crc_a, crc_b, len_b)
+    combine = getattr(native, "crc32c_combine", None)  # None without the extension (or with a stale build)
+    if combine is not None:
+        return combine(crc_a, crc_b, len_b)
     result, base = 0x80000000, 0x00800000  # x^0 and x^8 in the register's reflected order
     n = len_b
     while n:

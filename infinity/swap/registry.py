@@ -154,6 +154,9 @@ class Registry:
     def __len__(self) -> int:
         return len(self._parts)
 
+    def __contains__(self, id: str) -> bool:
+        return id in self._parts
+
     def __iter__(self):
         return iter(list(self._parts.values()))
 

@@ -136,7 +136,7 @@ class TensorSwapper:
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
         self._headers: list = []  # 4 KiB aligned header buffers, reused by the write reaper
-        self._on_write: dict = {}  # part id -> fn(view), run by the write reaper at its next write
+        self._on_write: dict = {}  # part id -> fn(buffer), run by the write reaper at its next write
         self._header_of: dict = {}
         self._reapers = [threading.Thread(target=self._reap_loop, args=(q,), name=f"infinity-swap-{n}-reaper",
                                           daemon=True) for q, n in ((self._reads, "read"), (self._writes, "write"))]
@@ -214,7 +214,8 @@ class TensorSwapper:
         If the partition is IN_CPU and `tensor` is its buffer's view (modified
         in place after swap_in), no copy is made. A partition with a tail
         (`tail_nbytes`, see Partition) is written from the buffer it holds,
-        tail included: it must be IN_CPU.
+        tail included: it must be IN_CPU, and the caller must have filled the
+        tail (swap_in never reads it, so after one the buffer holds stale bytes there).
         """
         self._check_open()
         if tensor.device != HOST or not tensor.is_contiguous():
@@ -255,10 +256,11 @@ class TensorSwapper:
         argument error the buffer stays the caller's.
         """
         self._check_open()
+        need = numel * dtype.itemsize + tail_nbytes
+        if need > self.pool.size:  # before registering: a refused call leaves nothing behind
+            raise ValueError(f"swap_out_buffer({part_id!r}): {need} bytes do not fit a {self.pool.size}-byte pool "
+                             "buffer")
         part = self._partition_for(part_id, dtype, numel, tail_nbytes)
-        if part.write_nbytes > self.pool.size:
-            raise ValueError(f"swap_out_buffer({part_id!r}): {part.write_nbytes} bytes do not fit a "
-                             f"{self.pool.size}-byte pool buffer")
         with self._lock:
             part.begin_write(buf)  # asserts ON_DISK or IN_CPU
         return self._write(part, buf)

@@ -315,8 +315,8 @@ def _with_head():
     return model
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_a_non_strict_load_keeps_what_the_checkpoint_lacks(disk_dir, tier):
+@pytest.mark.parametrize("tier,dtype", [("cpu", "fp32"), ("nvme", "fp32"), ("nvme", "bf16")])
+def test_a_non_strict_load_keeps_what_the_checkpoint_lacks(disk_dir, tier, dtype):
     """load_module_strict=False (torch's strict=False): parameters on one side only are allowed; the model's
     extra head keeps its weights and Adam state, the rest is the checkpoint's, bit for bit."""
     from infinity.checkpoint.layout import CheckpointError
@@ -324,7 +324,7 @@ def test_a_non_strict_load_keeps_what_the_checkpoint_lacks(disk_dir, tier):
     from infinity.models import GPT
     from infinity.testing.parity import MODEL, batch
 
-    cfg = config(tier, "fp32", disk_dir)
+    cfg = config(tier, dtype, disk_dir)
     torch.manual_seed(0)
     src = initialize(GPT(MODEL), cfg)
     try:

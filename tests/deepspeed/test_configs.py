@@ -248,11 +248,16 @@ def test_a_model_too_big_for_the_disk_fails_before_writing_and_leaves_nothing(tm
                              "the swap files of this host's ranks need 784 (196 for parameters, 588 for the optimizer); free space "
                              "there or point nvme_path at a bigger disk")
     assert not any(nvme.rglob("*.swp")) and not [f for f in nvme.rglob("*") if f.is_file()]
-    # bf16 with bf16 moments: 2 B/param of compute copies (the fp32 files go as the copies are written, see
-    # [Note: swap files during setup]) and 8 B/param of optimizer state.
+    # bf16 with bf16 moments: 8 B/param of optimizer state and 2 B/param of compute copies, which live in the
+    # optimizer files' tails ([Note: compute-dtype shards in the optimizer file]); the fp32 files go as each
+    # sub-group reads them ([Note: swap files during setup]), so they never add to the state.
     cfg["bf16"] = {"enabled": True}
     cfg["zero_optimization"]["offload_optimizer"]["moments_dtype"] = "bf16"
-    with pytest.raises(ConfigError, match=r"need 490 \(98 for parameters, 392 for the optimizer\)"):
+    with pytest.raises(ConfigError, match=r"need 490 \(0 for parameters, 490 for the optimizer\)"):
+        initialize(Tiny(), cfg)
+    # With the optimizer in RAM the copies are the parameters' own files, beside nothing else.
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    with pytest.raises(ConfigError, match=r"need 196 \(196 for parameters, 0 for the optimizer\)"):
         initialize(Tiny(), cfg)
     assert not [f for f in nvme.rglob("*") if f.is_file()]
 

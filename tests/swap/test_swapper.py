@@ -54,7 +54,7 @@ def test_a_write_only_tail_is_written_never_read_back_and_outside_the_checksum(s
     state.copy_(torch.arange(1000.0))
     tail.copy_(torch.arange(1000.0) / 7)
     swapper.swap_out_buffer("g", buf, torch.float32, 1000, tail_nbytes=2000).wait()
-    assert swapper.bytes_written == 6000 and swapper.pool.free_count == 4
+    assert swapper.bytes_written == 6000 and swapper.pool.free_count == 4 and "g" in swapper.registry
     path = swapper.path_of("g")
     raw = open(path, "rb").read()
     head = json.loads(raw[:HEADER].decode())
@@ -78,6 +78,7 @@ def test_a_write_only_tail_is_written_never_read_back_and_outside_the_checksum(s
     with pytest.raises(ValueError, match=r"do not fit a 1048576-byte pool buffer"):
         swapper.swap_out_buffer("big", swapper.pool.acquire("t2"), torch.float32, 1000, tail_nbytes=1 << 20)
     assert swapper.pool.free_count == 3  # an argument error leaves the buffer the caller's
+    assert "big" not in swapper.registry  # and registers nothing
 
 
 def test_in_place_update_is_written_without_a_copy(swapper):
