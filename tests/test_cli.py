@@ -33,17 +33,18 @@ def test_info_bad_dir(tmp_path):
     assert out.returncode != 0 and f"info: --dir {tmp_path / 'nope'} is not a directory" in out.stderr
 
 
-def test_bench_io_smoke_json(tmp_path):
+@pytest.mark.parametrize("ring", [False, True], ids=["whole-file", "ring"])
+def test_bench_io_smoke_json(tmp_path, ring):
     backend = available_backends()[0]
     args = ["bench", "io", "--dir", str(tmp_path), "--size", "4MiB", "--block-size", "256KiB",
-            "--queue-depth", "4", "--repeats", "2", "--backend", backend, "--json"]
+            "--queue-depth", "4", "--repeats", "2", "--backend", backend, "--json"] + (["--ring"] if ring else [])
     if shutil.which("fio") and backend != "python":
         args.append("--vs-fio")
     rows = [json.loads(line) for line in run(*args).splitlines()]
     assert [r["op"] for r in rows] == ["write", "read"]
     for r in rows:
         assert r["backend"] == backend and r["block_size"] == 256 << 10 and r["queue_depth"] == 4
-        assert r["threads"] == 1 and r["gbps"] > 0
+        assert r["threads"] == 1 and r["gbps"] > 0 and r["ring"] is ring
         if "--vs-fio" in args:
             assert r["fio_gbps"] > 0 and r["ratio"] == pytest.approx(r["gbps"] / r["fio_gbps"])
     assert list(tmp_path.iterdir()) == [], "the benchmark file must be removed"
