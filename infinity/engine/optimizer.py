@@ -161,6 +161,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self._early: list[GroupState] = []  # state reads started for that step before it began
         self.trace = None  # a telemetry.Trace (infinity.trace_path): the pipelines add their spans to it
         self._overlap_sq = 0.0
+        self._stepped_order: list[int] = []  # this step during backward's groups, in the order they stepped
+        self._last_order: list[int] = []  # the last completed one's (see _read_ahead)
         store.grad_for = self.grad_for
         store.grad_ready = self.grad_ready
         store.lend = self.lend
@@ -346,14 +348,37 @@ class ShardedAdam(torch.optim.Optimizer):
         for g in self.groups:
             g.waiting = len(g.params)
             g.stepped = False
+        self._stepped_order = []
 
     def _step_now(self, g: _Group) -> None:
         self._overlap_sq += float(torch.linalg.vector_norm(g.grad)) ** 2
         self._pipe.run(g.state, self._adam_work(g, self.hyper_for(g, **self._overlap_hyper)))
         g.stepped = True
+        self._stepped_order.append(g.index)
         g.grad = None
         for mp in g.params:
             mp.grad = None
+        self._read_ahead()
+
+    def _read_ahead(self, depth: int = 2) -> None:
+        """Start the reads of the next `depth` groups expected to step, where a buffer is free beyond the
+        reserve. A group's own triggers (its first backward fetch, its first gradient) try once; when no
+        buffer was free then, nothing else would try again before its gradient is final. The tied embedding
+        is the case: fetched at the head, first in backward, final at the very end. Expected order: the last
+        overlapped step's, else the highest index first (backward's usual order)."""
+        order = self._last_order or range(len(self.groups) - 1, -1, -1)
+        started = 0
+        for i in order:
+            g = self.groups[i]
+            if g.stepped:
+                continue
+            if not g.state.ready():
+                self._pipe.ahead(g.state)
+                if not g.state.ready():
+                    return  # no buffer free beyond the reserve: the next step's end tries again
+            started += 1
+            if started >= depth:
+                return
 
     def end_overlapped_step(self):
         """After backward: step groups some parameter of which got no gradient; wait for the writes.
@@ -367,6 +392,7 @@ class ShardedAdam(torch.optim.Optimizer):
                     self._grads()
                     self._step_now(g)
             pipe.finish()
+            self._last_order = self._stepped_order
         except BaseException:
             pipe.abandon()
             raise

@@ -428,3 +428,45 @@ def test_a_forward_without_its_backward_gives_back_the_reads_it_started(disk_dir
         return losses
 
     assert run(True) == run(False)
+
+
+def test_a_group_whose_read_could_not_start_early_is_read_ahead_before_its_turn(disk_dir, monkeypatch):
+    # The tied embedding's sub-group is fetched at the head (the first thing backward does) and final at the
+    # very end. Its first triggers find no buffer free beyond the reserve; the step must try again as groups
+    # finish, so that its read is under way when the group before it steps (_read_ahead), instead of being
+    # started by its own turn with backward waiting on it. A model shaped like bench train's: the embedding
+    # (vocab x dim) is the largest parameter and the sub-group size, one block per sub-group after it.
+    import argparse
+
+    from infinity.bench.train import config
+    from infinity.engine import initialize
+    from infinity.swap.pipeline import StatePipeline
+    from infinity.testing.parity import batch
+
+    shape = argparse.Namespace(vocab=2048, seq=64, layers=6, dim=128, heads=4, batch=2, precision="bf16")
+    model_cfg, cfg = config(shape, "nvme", str(disk_dir))
+    torch.manual_seed(0)
+    with zero_init(cfg):
+        model = GPT(model_cfg)
+    engine = initialize(model, cfg)
+    events = []
+    real_run = StatePipeline.run
+
+    def run(self, state, work, **kw):
+        events.append((state.label, {s.label for s in engine.optimizer._states() if s.ready()}))
+        return real_run(self, state, work, **kw)
+
+    monkeypatch.setattr(StatePipeline, "run", run)
+    try:
+        tied = engine.optimizer.group_of[id(engine.store.params[0])].state.label  # wte: index 0, tied to the head
+        early = []
+        for s in range(4):
+            events.clear()
+            x, y = batch(s, size=2, model=model_cfg)
+            engine.backward(engine(x, y))
+            engine.step()
+            assert len(events) == 7 and events[-1][0] == tied, events  # seven sub-groups; the embedding's last
+            early.append(tied in events[-2][1])
+        assert any(early[1:]), f"{tied} was never read ahead of its turn after step 1: {early}"
+    finally:
+        engine.close()
