@@ -253,22 +253,18 @@ def test_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatch, pr
         model = GPT(MODEL)
     engine = initialize(model, cfg)
     e = 4 if precision == "fp32" else 2
-    taken = []
-    real = alias.crc32c
+    def spy_on(module) -> list:
+        """(thread name, bytes) of each crc32c call `module` makes."""
+        calls, real = [], module.crc32c
 
-    def spy(t, nbytes, *a, **k):
-        taken.append((threading.current_thread().name, nbytes))
-        return real(t, nbytes, *a, **k)
+        def spy(t, nbytes, *a, **k):
+            calls.append((threading.current_thread().name, nbytes))
+            return real(t, nbytes, *a, **k)
 
-    monkeypatch.setattr(alias, "crc32c", spy)
-    whole = []
-    real_sw = swapper_module.crc32c
+        monkeypatch.setattr(module, "crc32c", spy)
+        return calls
 
-    def spy_sw(t, nbytes, *a, **k):
-        whole.append((threading.current_thread().name, nbytes))
-        return real_sw(t, nbytes, *a, **k)
-
-    monkeypatch.setattr(swapper_module, "crc32c", spy_sw)
+    taken, whole = spy_on(alias), spy_on(swapper_module)
     try:
         assert engine.store.alias is not None
         for s in range(2):
