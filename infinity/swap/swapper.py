@@ -9,7 +9,9 @@ On-disk layout (one file per partition, `<nvme_path>/infinity-swap/[<kind>-]rank
 The directory also holds `owner.pid`. A directory whose owner is dead holds
 leftovers of a crashed run: `leftovers="clear"` removes them, `"reuse"`
 registers every file whose header parses (its checksum is verified on first
-read), `"error"` refuses to start. A clean close removes the directory.
+read; a write of another layout before any read replaces the file, since a
+new run's layout wins over a dead one's), `"error"` refuses to start. A clean
+close removes the directory.
 
 [Note: header last]
 A swap-out submits only the data write on the caller's thread. The reaper
@@ -125,6 +127,7 @@ class TensorSwapper:
         self.rank = rank
         self._crc: dict[str, int | None] = {}
         self._lock = threading.Lock()
+        self._stale: set[str] = set()  # ids adopted from a crashed run's files, not yet read or written by this one
         self._claim_key = None
         try:
             self.leftovers_found = self._claim_directory(leftovers)
@@ -197,6 +200,7 @@ class TensorSwapper:
             self.registry.register(head["id"], dtype=BY_NAME[head["dtype"]], numel=int(head["numel"]),
                                    tail_nbytes=int(head.get("tail_nbytes", 0)))
             self._crc[head["id"]] = head.get("crc32c")
+            self._stale.add(head["id"])
             return True
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return False  # not one of ours, or torn: left for a later run's "clear"
@@ -295,7 +299,14 @@ class TensorSwapper:
             part = self.registry[part_id]
         except KeyError:
             return self.registry.register(part_id, dtype=dtype, numel=numel, tail_nbytes=tail_nbytes)
-        if part.dtype != dtype or part.numel != numel or part.tail_nbytes != tail_nbytes:
+        layout = (dtype, numel, tail_nbytes)
+        if part_id in self._stale:
+            self._stale.discard(part_id)
+            if (part.dtype, part.numel, part.tail_nbytes) != layout and part.residency is Residency.ON_DISK:
+                # A dead run's file of another layout, never read by this run: this write replaces it.
+                self.remove(part_id)
+                return self.registry.register(part_id, dtype=dtype, numel=numel, tail_nbytes=tail_nbytes)
+        if (part.dtype, part.numel, part.tail_nbytes) != layout:
             def what(n, d, tail):
                 return f"{n} x {d}" + (f" with a {tail}-byte tail" if tail else "")
             raise ValueError(f"swap_out({part_id!r}): registered as {what(part.numel, part.dtype, part.tail_nbytes)}"
@@ -312,6 +323,7 @@ class TensorSwapper:
         """
         self._check_open()
         part = self.registry[part_id]
+        self._stale.discard(part_id)  # read by this run: from now on its layout is the one it was read as
         with self._lock:
             if part.residency is Residency.IN_CPU:
                 done = SwapFuture()

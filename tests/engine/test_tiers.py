@@ -2,6 +2,8 @@
 and the step during backward, unit by unit."""
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -208,3 +210,26 @@ def test_trace_path_writes_a_chrome_trace_of_the_steps(tmp_path):
     assert names.count("forward") == 2 and names.count("backward") == 2
     assert groups > 1 and sum(n.startswith("read optim/") for n in names) == 2 * groups, "every group read each step"
     assert all(ev["ph"] == "X" and ev["dur"] >= 0 for ev in events)
+
+
+_CRASH = """
+import os, sys
+from infinity.engine import initialize, zero_init
+from infinity.models import GPT
+from infinity.testing.parity import MODEL, engine_config, train_step
+cfg = engine_config("nvme", sys.argv[1])
+with zero_init(cfg):
+    m = GPT(MODEL)
+train_step(initialize(m, cfg), 0)
+os._exit(0)  # dies without close(): its fp32 swap files stay
+"""
+
+
+def test_leftovers_reuse_after_a_crashed_run_of_another_layout_trains_like_a_clean_run(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path / "crashed")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    bf16 = {"bf16.enabled": True}
+    with pytest.warns(UserWarning, match=r"reusing \d+ of \d+ swap files"):
+        reused = engine_losses(engine_config("nvme", str(tmp_path / "crashed"), **bf16, **{"infinity.leftovers":
+                                                                                          "reuse"}), STEPS)
+    assert reused == engine_losses(engine_config("nvme", str(tmp_path / "clean"), **bf16), STEPS)

@@ -193,6 +193,25 @@ def test_leftovers_reused(crashed_dir):
     sw.close()
 
 
+def test_a_reused_leftover_of_another_layout_is_replaced_by_this_runs_first_write(crashed_dir):
+    with pytest.warns(UserWarning, match="reusing 3 of 3"):
+        sw = TensorSwapper(crashed_dir, BufferPool(2, 1 << 16, pin=False), leftovers="reuse")
+    old = os.path.getsize(sw.path_of("opt/g0"))
+    sw.swap_out("opt/g0", torch.full((10,), 7.0, dtype=torch.bfloat16)).wait()  # was 1000 x float32
+    assert sw.registry["opt/g0"].dtype == torch.bfloat16 and sw.registry["opt/g0"].numel == 10
+    assert os.path.getsize(sw.path_of("opt/g0")) < old  # replaced, not written over the old bytes
+    assert torch.equal(sw.swap_in("opt/g0").wait(), torch.full((10,), 7.0, dtype=torch.bfloat16))
+    sw.release("opt/g0")
+    # Once this run has read or written a partition, its layout is this run's: a mismatch is a caller's error.
+    assert torch.equal(sw.swap_in("opt/g1").wait(), torch.ones(10, dtype=torch.bfloat16))
+    sw.release("opt/g1")
+    with pytest.raises(ValueError, match=r"registered as 10 x torch.bfloat16, got 4 x torch.float32"):
+        sw.swap_out("opt/g1", torch.zeros(4))
+    with pytest.raises(ValueError, match=r"registered as 10 x torch.bfloat16, got 3 x torch.float32"):
+        sw.swap_out("opt/g0", torch.zeros(3))
+    sw.close()
+
+
 def test_leftovers_refused(crashed_dir):
     with pytest.raises(RuntimeError, match=r"holds 3 swap files from a crashed run; remove them, or set "
                                            r"infinity.leftovers to \"clear\" or \"reuse\""):
