@@ -171,7 +171,7 @@ def write_frozen(store, w, partial: str) -> None:
     for mp in store.params:
         if mp.trainable or rank * mp.part >= mp.numel:
             continue
-        shard = store.read_shard(mp, torch.float32, scheduled=False)
+        shard = store.read_shard(mp, torch.float32)
         w.write(chunk_path(partial, "master", mp.name, rank), shard)
         w.wait_upto(w.mark())  # the shard is a temporary: its write lands before the next is read
 

@@ -16,6 +16,11 @@ import torch
 from infinity.swap.tier import HOST, Tier
 
 
+def _own(shard: torch.Tensor, owned: bool) -> torch.Tensor:
+    """The shard as a tensor of its own."""
+    return shard if owned else shard.clone()
+
+
 class ShardHome(abc.ABC):
     """Keeps managed parameters' shards on one tier."""
 
@@ -34,8 +39,18 @@ class ShardHome(abc.ABC):
         """The dtype the shard is kept in now."""
 
     @abc.abstractmethod
-    def read(self, mp, dtype: torch.dtype | None, *, scheduled: bool) -> torch.Tensor:
+    def read(self, mp, dtype: torch.dtype | None) -> torch.Tensor:
         """The shard as a tensor the caller may keep (RAM: the stored tensor itself when dtype matches)."""
+
+    @abc.abstractmethod
+    def gather(self, mp, dtype: torch.dtype, assemble, *, scheduled: bool) -> torch.Tensor:
+        """assemble(shard, owned) applied to the shard in `dtype` while the memory it is in is held; its result.
+
+        `owned`: the shard is a tensor of its own, which the result may alias;
+        otherwise it is a pool buffer's view, the optimizer's state or the
+        stored shard, released or rewritten once assemble returns, so the
+        result must not alias it (see [Note: gathered from the buffer] in params.py).
+        """
 
     @abc.abstractmethod
     def write(self, mp, values: torch.Tensor, dtype: torch.dtype):
@@ -64,8 +79,12 @@ class RamHome(ShardHome):
     def dtype(self, mp) -> torch.dtype:
         return mp.shard.dtype
 
-    def read(self, mp, dtype, *, scheduled: bool) -> torch.Tensor:
+    def read(self, mp, dtype) -> torch.Tensor:
         return mp.shard if dtype is None else mp.shard.to(dtype)
+
+    def gather(self, mp, dtype, assemble, *, scheduled: bool) -> torch.Tensor:
+        shard = mp.shard.to(dtype)
+        return assemble(shard, shard is not mp.shard)
 
     def write(self, mp, values: torch.Tensor, dtype: torch.dtype):
         if mp.shard.dtype != dtype:
@@ -110,15 +129,19 @@ class NvmeHome(ShardHome):
     def dtype(self, mp) -> torch.dtype:
         return mp.swap_dtype
 
-    def read(self, mp, dtype, *, scheduled: bool) -> torch.Tensor:
+    def read(self, mp, dtype) -> torch.Tensor:
+        return self.gather(mp, dtype or mp.swap_dtype, _own, scheduled=False)
+
+    def gather(self, mp, dtype, assemble, *, scheduled: bool) -> torch.Tensor:
         sid = self.swap_id(mp)
         store = self.store
         if store.scheduler is not None and scheduled:
-            return store.scheduler.fetch(mp, sid, dtype or mp.swap_dtype)
+            return store.scheduler.fetch(mp, sid, dtype, assemble)
         reader = store.reader()
         view = reader.swap_in(sid).wait()
         try:
-            return view.to(dtype or view.dtype, copy=True)
+            shard = view.to(dtype)
+            return assemble(shard, shard is not view)
         finally:
             reader.release(sid)
 

@@ -237,7 +237,7 @@ class ShardedAdam(torch.optim.Optimizer):
         def first(i: int, views) -> None:
             g = self.groups[i]
             for mp, off in zip(g.params, g.offsets):
-                views.param[off:off + mp.part].copy_(store.read_shard(mp, torch.float32, scheduled=False))
+                views.param[off:off + mp.part].copy_(store.read_shard(mp, torch.float32))
             views.exp_avg.zero_()
             views.exp_avg_sq.zero_()
             if reader is None:

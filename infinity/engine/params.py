@@ -28,6 +28,21 @@ while backward produces the next bucket, and lands (is added to the owners'
 fp32 gradients) when the next bucket is sent or backward ends. Every rank
 fills its buckets in the same order, because its graph is the same.
 
+[Note: gathered from the buffer]
+A gather assembles the full parameter from the memory the shard is read
+into: a pool buffer, the optimizer's state (a lent shard), or a RAM home's
+tensor (ShardHome.gather). With several ranks that memory is all-gather's
+input; on an accelerator it is the source of the host-to-device copy,
+page-locked, on a side stream the host waits on alone (`to_device`). Only
+one rank on the host copies, since the buffer goes back to the pool once
+the gather returns. A shard is copied out first only for the reuse cache
+(a slice of the gathered value) or to change dtype. Holding pool buffers
+while their parameters are gathered would save that one copy, but gathered
+parameters are not released in fetch order, so the buffers they held could
+leave none for the fetch on the critical path (see [Note: trace-based
+prefetch] in scheduler.py); at 2 B per parameter it costs about 1 % of a
+bf16 step on the reference VM.
+
 [Note: shard layout]
 A parameter of numel n is flattened and zero-padded to world x ceil(n/world);
 rank r owns elements [r x part, (r+1) x part). The padding is zero in the
@@ -129,6 +144,34 @@ class _AliasRouter:
 def placeholder(shape, dtype, device) -> torch.Tensor:
     """See [Note: placeholder]."""
     return torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
+
+
+_COPY_STREAMS: dict = {}
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` (itself when it is there already); `t` may be reused as soon as this returns.
+
+    See [Note: gathered from the buffer]: from page-locked host memory to CUDA
+    the copy runs on a side stream, so the host waits for this copy only, not
+    for the compute queued before it.
+    """
+    if t.device == device:
+        return t
+    if device.type != "cuda" or t.device.type != "cpu" or not t.is_pinned():
+        return t.to(device)  # synchronous with respect to `t`
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    compute = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        out = t.to(device, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(stream)
+    compute.wait_event(done)  # kernels that use `out` run after the copy
+    out.record_stream(compute)  # allocated on the side stream, used on the compute one
+    done.synchronize()  # the source (a pool buffer) is released, or the state rewritten, once this returns
+    return out
 
 
 def managed(t) -> ManagedParam | None:
@@ -298,7 +341,7 @@ class ParamStore:
         """Not optimized: no master weights or moments; its shard moves to the compute dtype, and stays."""
         mp.trainable = False
         if self._shard_dtype(mp) != self.dtype:
-            self.write_shard(mp, self.read_shard(mp, torch.float32, scheduled=False), wait=True)
+            self.write_shard(mp, self.read_shard(mp, torch.float32), wait=True)
 
     def _shard_dtype(self, mp: ManagedParam):
         return mp.home.dtype(mp)
@@ -369,16 +412,14 @@ class ParamStore:
 
     # --------------------------------------------------------------- shards
 
-    def read_shard(self, mp: ManagedParam, dtype=None, *, scheduled: bool = True) -> torch.Tensor:
-        """This rank's shard as a tensor of its own (a copy for nvme; the stored tensor for RAM tiers).
-
-        `scheduled` fetches count in the prefetch trace; reads outside forward/backward pass False.
-        """
+    def read_shard(self, mp: ManagedParam, dtype=None) -> torch.Tensor:
+        """This rank's shard as a tensor of its own (a copy for nvme; the stored tensor for RAM tiers), outside
+        the prefetch trace."""
         if self._staged:
             self._write_back_staged(mp)
         if mp.unwritten:  # uninitialised memory in a plain build; zeros here
             return torch.zeros(mp.part, dtype=dtype or mp.home.dtype(mp))
-        return mp.home.read(mp, dtype, scheduled=scheduled)
+        return mp.home.read(mp, dtype)
 
     def write_shard(self, mp: ManagedParam, values: torch.Tensor, *, wait: bool = False, keep_dtype: bool = False):
         """Replace this rank's shard with `values` (part elements), stored in the compute dtype.
@@ -401,12 +442,31 @@ class ParamStore:
             return mp.param.data
         if dtype is None:
             dtype = self.dtype if self.frozen else mp.param.dtype
-        shard = self.read_shard(mp, dtype, scheduled=scheduled).to(self.device, non_blocking=True)
-        full = self.comm.all_gather(shard)
-        if full is mp.shard:
-            full = full.clone()  # one rank, RAM tier: never alias the shard the optimizer rewrites
+        full = self._padded_full(mp, dtype, scheduled=scheduled)
         self.bytes_gathered += mp.numel * full.element_size()
         return full[:mp.numel].view(mp.shape)
+
+    def _padded_full(self, mp: ManagedParam, dtype, *, scheduled: bool) -> torch.Tensor:
+        """Every rank's shard of mp, concatenated, on the compute device (see [Note: gathered from the buffer])."""
+        if self._staged:
+            self._write_back_staged(mp)
+        if mp.unwritten:  # uninitialised memory in a plain build; zeros here
+            return self._assemble(torch.zeros(mp.part, dtype=dtype), True)
+        return mp.home.gather(mp, dtype, self._assemble, scheduled=scheduled)
+
+    def _assemble(self, shard: torch.Tensor, owned: bool) -> torch.Tensor:
+        """The padded full parameter from this rank's shard; aliases `shard` only if `owned` (ShardHome.gather)."""
+        moved = to_device(shard, self.device)
+        if self.comm.world > 1:
+            return self.comm.all_gather(moved)
+        return moved if owned or moved is not shard else shard.clone()
+
+    def own_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a padded full value, as a tensor of its own (the value itself with one rank)."""
+        if self.comm.world == 1:
+            return full
+        part = full.numel() // self.comm.world
+        return full[self.comm.rank * part:(self.comm.rank + 1) * part].clone()
 
     def use(self, mp: ManagedParam, *, scheduled: bool = True) -> None:
         """One more user of the full value; gathers it on the first. Fetches outside forward/backward
@@ -447,11 +507,7 @@ class ParamStore:
                 mp.param.data = self._fresh(mp)
 
     def _fresh(self, mp: ManagedParam) -> torch.Tensor:
-        shard = self.read_shard(mp, self.dtype, scheduled=False).to(self.device)
-        full = self.comm.all_gather(shard)
-        if full is mp.shard:
-            full = full.clone()
-        return full[:mp.numel].view(mp.shape)
+        return self._padded_full(mp, self.dtype, scheduled=False)[:mp.numel].view(mp.shape)
 
     # ----------------------------------------------------------------- grads
 

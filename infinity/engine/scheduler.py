@@ -93,8 +93,9 @@ class PrefetchScheduler:
         if self.recording:
             self.turn = len(self.trace)
 
-    def fetch(self, mp, sid: str, dtype) -> "torch.Tensor":
-        """`mp`'s shard as a tensor of its own, in `dtype`, through the reuse cache or the prefetched reads."""
+    def fetch(self, mp, sid: str, dtype, assemble) -> "torch.Tensor":
+        """assemble(shard, owned) of `mp`'s shard in `dtype` (see ShardHome.gather), from the reuse cache or the
+        prefetched reads; the shard's pool buffer is released once assemble returns."""
         st = self.stats
         st.fetches += 1
         j = self._advance(mp)
@@ -102,7 +103,7 @@ class PrefetchScheduler:
         if cached is not None:
             self.cached -= mp.part
             st.hits += 1
-            out = cached
+            out = assemble(cached, True)
         else:
             hit = self.inflight.pop(sid, None)
             if hit is not None:
@@ -119,7 +120,8 @@ class PrefetchScheduler:
                 finally:
                     st.stall_s += time.perf_counter() - t0
                 try:
-                    out = view.to(dtype, copy=True)
+                    shard = view.to(dtype)  # a copy only when the file's dtype is another
+                    out = assemble(shard, shard is not view)
                 finally:
                     if not lent:
                         self.swapper.release(sid)
@@ -131,7 +133,9 @@ class PrefetchScheduler:
                 st.bytes_read += view.numel() * view.element_size()
             self._prefetch()
         if j is not None and self.keep[j] and self._held() + mp.part <= self.bucket:
-            mp.reuse = out
+            # The cache keeps this rank's shard: out itself with one rank (it is the padded full parameter),
+            # else a copy of the shard's slice of the gathered value.
+            mp.reuse = cached if cached is not None else self.store.own_slice(out)
             self.cached += mp.part
         return out
 

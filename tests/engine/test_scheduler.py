@@ -81,9 +81,9 @@ class Run:
                 log.append(("read", sid, prefetch, free))
             return fut
 
-        def spy_fetch(mp, sid, dtype):
+        def spy_fetch(mp, sid, dtype, assemble):
             log.append(("fetch", sid, mp))
-            return fetch(mp, sid, dtype)
+            return fetch(mp, sid, dtype, assemble)
 
         sw.swap_in, sched.fetch = spy_swap_in, spy_fetch
 
@@ -312,3 +312,67 @@ def test_a_skipped_module_resynchronises_without_re_recording(run):
     _, _, again = r.step(inputs(2))
     assert not again.recorded and again.hits == again.fetches
     assert r.sched.trace == trace, "the trace of the first step is kept"
+
+
+class _RankZeroOfTwo(Comm):
+    """Rank 0 of 2 without a process group: all_gather appends a zero shard for rank 1, and records where the
+    shard it was given lies."""
+
+    def __init__(self):
+        super().__init__()
+        self.rank, self.world = 0, 2
+        self.inputs: list[int] = []
+
+    def all_gather(self, shard):
+        self.inputs.append(shard.data_ptr())
+        return torch.cat([shard, torch.zeros_like(shard)])
+
+
+@pytest.mark.parametrize("reuse", [0, 4 * WEIGHT])
+def test_a_gather_feeds_the_pool_buffer_to_all_gather_and_keeps_nothing_in_it(tmp_path, reuse):
+    """[Note: gathered from the buffer]: the read's pool buffer is all-gather's input (no copy of the shard
+    first), the gathered value lies outside the pool, and every buffer is free again at the end of the step; a
+    shard kept for reuse (the weight, used again after the bias) is a copy of this rank's slice."""
+    cfg = load_config({
+        "zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 4 * WEIGHT,
+            "stage3_max_reuse_distance": reuse,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3,
+                              "buffer_size": WEIGHT, "max_in_cpu": 0}},
+        "infinity": {"direct_io": False}})
+    comm = _RankZeroOfTwo()
+    store = build_store(cfg, comm)
+    torch.manual_seed(SEED)
+    lin = torch.nn.Linear(DIM, DIM)
+    values = {n: p.detach().clone().reshape(-1) for n, p in lin.named_parameters()}
+    mps = {n: store.adopt(p, n) for n, p in lin.named_parameters()}
+    pool = store.swap.pool
+    lo, hi = pool._memory.data_ptr(), pool._memory.data_ptr() + pool.nbytes
+    from_cache = 0
+    try:
+        for _ in range(3):  # the first records the trace; the later ones prefetch, and (reuse) keep the weight
+            store.scheduler.begin_step()
+            for name in ("weight", "bias", "weight"):
+                mp, mine = mps[name], values[name][:mps[name].part]
+                comm.inputs.clear()
+                cached = mp.reuse
+                store.use(mp)
+                full = mp.param.data
+                assert torch.equal(full, torch.cat([mine, torch.zeros_like(mine)])[:mp.numel].view(mp.shape))
+                assert not lo <= full.data_ptr() < hi
+                assert len(comm.inputs) == 1
+                if cached is None:
+                    assert lo <= comm.inputs[0] < hi, "the shard was copied out of its pool buffer first"
+                else:
+                    assert comm.inputs[0] == cached.data_ptr()
+                    from_cache += 1
+                if mp.reuse is not None:  # kept for the next use: this rank's slice, in memory of its own
+                    assert mp.reuse.numel() == mp.part and torch.equal(mp.reuse, mine)
+                    assert not lo <= mp.reuse.data_ptr() < hi
+                store.unuse(mp)
+            store.scheduler.drain()
+            assert pool.free_count == pool.count
+        assert store.scheduler.keep == [bool(reuse), False, False]
+        assert from_cache == (2 if reuse else 0)  # the second use of the weight in steps 2 and 3
+    finally:
+        store.close()
