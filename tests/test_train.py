@@ -88,9 +88,11 @@ def test_train_bad_input_is_one_clear_line(tmp_path, args, message):
 def test_bench_train_smoke_json():
     out = subprocess.run(INFINITY + ["bench", "train", "--layers", "1", "--dim", "64", "--vocab", "256", "--seq",
                                      "32", "--heads", "4", "--steps", "3", "--warmup", "1", "--rounds", "1",
-                                     "--json"], capture_output=True, text=True, timeout=300)
+                                     "--mmap-threshold", "32MiB", "--json"], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["mmap_threshold"] == "32MiB"
     assert result["ratio"] > 0 and result["nvme"]["hit_rate"] >= 0.95
     # 32 with fp32; the tied embedding is read three times (embedding, head, head's backward): +1 here
     assert 25 <= result["nvme"]["bytes_per_param"] <= 34

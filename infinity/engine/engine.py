@@ -25,7 +25,7 @@ from infinity.engine.construct import end_access
 from infinity.engine.comm import init_distributed
 from infinity.engine.hooks import ParamHooks
 from infinity.engine.loss_scaler import LossScaler
-from infinity.engine.memory import return_freed_memory_to_os
+from infinity.engine.memory import CONSTRUCTION, set_mmap_threshold
 from infinity.engine.optimizer import ShardedAdam, shards_in_state
 from infinity.engine.params import ParamStore, managed
 from infinity.engine.zero_init import current_store
@@ -517,7 +517,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     from infinity.swap import SwapContext
 
     cfg = resolve_auto(as_config(config), model)
-    return_freed_memory_to_os()  # so that peak RSS measures what is alive: [Note: glibc's mmap threshold]
+    set_mmap_threshold(CONSTRUCTION)  # setup stays memory-bounded; the steps get cfg's: [Note: glibc's mmap threshold]
     comm = init_distributed(cfg.infinity.comm_timeout_s)
     batch = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
                           comm.world)  # before anything is built: an inconsistent set fails here
@@ -585,12 +585,14 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     hooks = ParamHooks(store)
     hooks.install(model)
     try:
-        return Engine(model, cfg, store, optimizer, hooks, lr_scheduler, batch)
+        engine = Engine(model, cfg, store, optimizer, hooks, lr_scheduler, batch)
     except BaseException:  # e.g. a scheduler that does not fit the groups: nothing of this setup may stay behind
         hooks.remove()
         optimizer.close()
         store.close()
         raise
+    set_mmap_threshold(cfg.infinity.mmap_threshold)
+    return engine
 
 
 def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None:

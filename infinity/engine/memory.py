@@ -1,4 +1,5 @@
-"""Make freed large blocks go back to the OS, so that peak RSS measures what is alive.
+"""glibc's mmap threshold: whether freed large blocks go back to the OS (peak RSS measures what is alive) or stay
+in the heap for the next tensor (no page faults; the heap keeps its high-water mark).
 
 [Note: glibc's mmap threshold]
 glibc serves a large malloc with its own mmap and unmaps it on free, but
@@ -6,27 +7,54 @@ only above M_MMAP_THRESHOLD, and by default that threshold rises to the size
 of each large block freed (up to 32 MiB). After the first gathered parameter
 is freed, every later one of that size comes from the heap, and the heap
 keeps what it has: RSS then stays at the high-water mark of all the
-gathered parameters and gradient buffers ever alive, not of those alive now.
-Fixing the threshold at 64 KiB keeps the engine's memory ceiling honest.
+gathered parameters and gradient buffers ever alive, not of those alive now,
+and fragmentation adds to it. Fixing the threshold at 64 KiB (the default of
+`infinity.mmap_threshold`) keeps the engine's memory ceiling honest, and
+construction under zero_init always uses it.
+
+It has a price. Every tensor above 64 KiB, the model's own activations
+included, is then a fresh mapping whose pages fault in (the kernel zeroes
+each) on first touch, and is unmapped at free. On the 2-core reference VM the
+bf16 `infinity bench train` step spends about 30 % of its time there: with
+the threshold at 32 MiB it took 0.68-0.70 s on NVMe instead of 0.99-1.03 s,
+and the all-RAM step 0.56-0.59 s instead of 0.85-0.91 s. The same 32 MiB
+doubled what the training steps of `memory_run` (parity.py) held above their
+baseline (69 to 143 MiB: the heap's fragmentation), and took the
+construction tests well past their bound, which is why it is an opt-in for
+the training steps only. Blocks above the threshold are mapped either way,
+so at billions of parameters, where gathered weights and gradients are
+tens of MiB and more, the cost of the larger threshold is bounded by the
+blocks smaller than it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import warnings
 
 _M_MMAP_THRESHOLD = -3
-_done = False
+CONSTRUCTION = 1 << 16
+"""The threshold while zero_init builds a model (and the default of infinity.mmap_threshold)."""
+_set: int | None = None  # the threshold this process last set
+_warned = False
 
 
-def return_freed_memory_to_os(threshold: int = 1 << 16) -> bool:
-    """Pin glibc's mmap threshold (see the note). False where there is no glibc."""
-    global _done
-    if _done:
+def set_mmap_threshold(threshold: int) -> bool:
+    """Fix glibc's mmap threshold at `threshold` bytes (see the note). False where there is no glibc (said once,
+    when the value asked for is not the default)."""
+    global _set, _warned
+    if threshold == _set:
         return True
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        _done = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
     except (OSError, AttributeError):
-        return False
-    return _done
+        ok = False
+    if ok:
+        _set = threshold
+    elif threshold != CONSTRUCTION and not _warned:
+        _warned = True
+        warnings.warn(f"infinity: infinity.mmap_threshold {threshold} has no effect here: this C library has no "
+                      "glibc mallopt(M_MMAP_THRESHOLD)", stacklevel=2)
+    return ok

@@ -26,7 +26,7 @@ import torch
 
 from infinity.engine.build import as_config, build_store
 from infinity.engine.comm import init_distributed
-from infinity.engine.memory import return_freed_memory_to_os
+from infinity.engine.memory import CONSTRUCTION, set_mmap_threshold
 from infinity.engine.construct import PartitionedAccess, end_access
 from infinity.engine.params import ParamStatus, managed
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -54,7 +54,7 @@ def zero_init(config=None):
     if current_store() is not None:
         raise RuntimeError("infinity.zero_init: already inside a zero_init block; nest them not")
     cfg = as_config(config)
-    return_freed_memory_to_os()
+    set_mmap_threshold(CONSTRUCTION)  # construction stays memory-bounded: [Note: glibc's mmap threshold]
     comm = init_distributed(cfg.infinity.comm_timeout_s)
     store = build_store(cfg, comm)
     store.config = cfg
