@@ -185,10 +185,11 @@ class InfinityConfig:
     direct_io: bool = spec(True)
     """Use O_DIRECT for swap files (turn off on filesystems without it, e.g. old tmpfs)."""
     mmap_threshold: int = spec(1 << 16, low=1 << 12, high=1 << 25, kind="size")
-    """glibc's M_MMAP_THRESHOLD once initialize() returns (construction and setup use 64 KiB): host blocks at
-    least this big are mapped on allocation and returned at free, smaller ones come from the heap, which keeps
-    what it was given. 64 KiB keeps peak RSS at what is alive; up to 32 MiB (glibc's own ceiling) trades host
-    memory for speed: no page faults on each new tensor (see [Note: glibc's mmap threshold])."""
+    """glibc's M_MMAP_THRESHOLD (and a trim threshold of twice it) once initialize() returns; construction and
+    setup use 64 KiB. Host blocks at least this big are mapped on allocation and returned at free; smaller ones
+    come from the heap, which keeps up to twice this much free at its top. 64 KiB keeps peak RSS at what is
+    alive; up to 32 MiB (glibc's own ceiling) trades host memory for speed: a new tensor below it reuses pages
+    already faulted in (see [Note: glibc's mmap threshold]). Process-wide: the last initialize() sets it."""
     memory_budget: int | None = spec(None, low=1 << 20, kind="size")
     """Host-memory budget in bytes (or "8GiB"); the planner sizes the pools to fit it."""
     trace_path: str | None = spec(None, kind="str")

@@ -9,7 +9,7 @@ the one fetch on the critical path always finds a buffer: the pool can be
 slow, never exhausted (DeepSpeed's "not enough buffers" cannot happen).
 A parameter fetched again within `stage3_max_reuse_distance` elements of
 trace (a tied weight used at the end of forward and the start of backward,
-say) keeps its shard in RAM in between instead of being read twice.
+say) keeps its shard (on the compute device) in between instead of being read twice.
 When a fetch is not where the cursor expects, the order changed: the
 cursor resynchronises if the shard is a little further on, otherwise the
 step goes on without prefetching (still correct) and the next step records
@@ -197,7 +197,7 @@ class PrefetchScheduler:
             mp = self.trace[j]
             sid = mp.home.swap_id(mp)
             if self.reused[j]:
-                pass  # served from RAM
+                pass  # served from the reuse cache
             elif sid in self.inflight or sid == self._busy:
                 break  # an earlier use of the same shard is still in flight: one read per partition at a time
             else:

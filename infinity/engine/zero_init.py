@@ -26,7 +26,7 @@ import torch
 
 from infinity.engine.build import as_config, build_store
 from infinity.engine.comm import init_distributed
-from infinity.engine.memory import CONSTRUCTION, set_mmap_threshold
+from infinity.engine.memory import CONSTRUCTION, mmap_threshold, set_mmap_threshold
 from infinity.engine.construct import PartitionedAccess, end_access
 from infinity.engine.params import ParamStatus, managed
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -54,9 +54,14 @@ def zero_init(config=None):
     if current_store() is not None:
         raise RuntimeError("infinity.zero_init: already inside a zero_init block; nest them not")
     cfg = as_config(config)
+    previous = mmap_threshold()
     set_mmap_threshold(CONSTRUCTION)  # construction stays memory-bounded: [Note: glibc's mmap threshold]
-    comm = init_distributed(cfg.infinity.comm_timeout_s)
-    store = build_store(cfg, comm)
+    try:
+        comm = init_distributed(cfg.infinity.comm_timeout_s)
+        store = build_store(cfg, comm)
+    except BaseException:
+        _restore_threshold(previous)
+        raise
     store.config = cfg
     patched = []
 
@@ -100,12 +105,19 @@ def zero_init(config=None):
         raise
     finally:
         _active.store = None
+        _restore_threshold(previous)
         for cls, name, orig in reversed(patched):
             setattr(cls, name, orig)
         # The access mode stays until initialize(): writes after the block land too (see [Note: partitioned
         # access]); what the block left staged is written back now.
         store.settle_staged()
         store.adopt_reassigned(store.params)
+
+
+def _restore_threshold(previous: int | None) -> None:
+    """An engine that runs while another model is built keeps its own threshold once the block ends."""
+    if previous is not None:
+        set_mmap_threshold(previous)
 
 
 def _end_stale_access() -> None:

@@ -304,7 +304,10 @@ class TensorSwapper:
             self._stale.discard(part_id)
             if (part.dtype, part.numel, part.tail_nbytes) != layout and part.residency is Residency.ON_DISK:
                 # A dead run's file of another layout, never read by this run: this write replaces it.
+                hook = self._on_write.get(part_id)
                 self.remove(part_id)
+                if hook is not None:  # set for this write (on_next_write), not for the dead run's file
+                    self._on_write[part_id] = hook
                 return self.registry.register(part_id, dtype=dtype, numel=numel, tail_nbytes=tail_nbytes)
         if (part.dtype, part.numel, part.tail_nbytes) != layout:
             def what(n, d, tail):
@@ -323,7 +326,6 @@ class TensorSwapper:
         """
         self._check_open()
         part = self.registry[part_id]
-        self._stale.discard(part_id)  # read by this run: from now on its layout is the one it was read as
         with self._lock:
             if part.residency is Residency.IN_CPU:
                 done = SwapFuture()
@@ -344,6 +346,7 @@ class TensorSwapper:
                     done._set(part.buffer.view(part.dtype, part.numel))
                     return done
                 part.begin_read(buf)  # raises unless ON_DISK
+                self._stale.discard(part_id)  # read by this run: from now on its layout is the one it is read as
         except BaseException:
             if buf.owner is not None and part.buffer is not buf:
                 self.pool.release(buf)

@@ -2,6 +2,7 @@
 and the step during backward, unit by unit."""
 
 import copy
+import json
 import subprocess
 import sys
 
@@ -228,6 +229,9 @@ os._exit(0)  # dies without close(): its fp32 swap files stay
 def test_leftovers_reuse_after_a_crashed_run_of_another_layout_trains_like_a_clean_run(tmp_path):
     out = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path / "crashed")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+    left = [json.loads(f.read_bytes()[:4096]) for f in (tmp_path / "crashed").glob("infinity-swap/*/*.swp")]
+    optim = [h for h in left if h["id"].startswith("optim/")]
+    assert optim and not any(h.get("tail_nbytes") for h in optim)  # fp32: no bf16 tail, unlike the run below
     bf16 = {"bf16.enabled": True}
     with pytest.warns(UserWarning, match=r"reusing \d+ of \d+ swap files"):
         reused = engine_losses(engine_config("nvme", str(tmp_path / "crashed"), **bf16, **{"infinity.leftovers":

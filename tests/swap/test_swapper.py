@@ -197,6 +197,10 @@ def test_a_reused_leftover_of_another_layout_is_replaced_by_this_runs_first_writ
     with pytest.warns(UserWarning, match="reusing 3 of 3"):
         sw = TensorSwapper(crashed_dir, BufferPool(2, 1 << 16, pin=False), leftovers="reuse")
     old = os.path.getsize(sw.path_of("opt/g0"))
+    held = [sw.pool.acquire("test"), sw.pool.acquire("test")]
+    assert sw.swap_in("opt/g0", prefetch=True) is None  # no buffer: nothing was read, so it stays replaceable
+    for b in held:
+        sw.pool.release(b)
     sw.swap_out("opt/g0", torch.full((10,), 7.0, dtype=torch.bfloat16)).wait()  # was 1000 x float32
     assert sw.registry["opt/g0"].dtype == torch.bfloat16 and sw.registry["opt/g0"].numel == 10
     assert os.path.getsize(sw.path_of("opt/g0")) < old  # replaced, not written over the old bytes
