@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The engine on a CUDA machine (CI does not need this): fp32 parity against torch on the GPU, then a short
+# The engine on a CUDA machine (CI does not need this): fp32 parity against torch on the GPU (offload none, cpu
+# and nvme: NVMe shards reach the GPU from page-locked pool buffers on a side stream), then a short
 # training-speed run (parameters and optimizer on NVMe vs in RAM) with the model computing on the GPU.
 # Run from the repository root after `make build`; it prints PASS/FAIL and the bench table.
 set -euo pipefail

@@ -466,3 +466,14 @@ def test_a_group_whose_read_could_not_start_early_is_read_ahead_before_its_turn(
         assert any(early[1:]), f"{tied} was never read ahead of its turn after step 1: {early}"
     finally:
         engine.close()
+
+
+def test_the_gpu_checks_parity_entry_point_runs_every_tier_on_this_device(capsys):
+    """`python -m infinity.testing.parity` (bench/gpu_check.sh) on whatever device there is (CI: the CPU)."""
+    from infinity.testing.parity import main
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out[:3]] == [f"{device} offload={t}" for t in ("none", "cpu", "nvme")]
+    assert out[-1] == "PASS"
