@@ -418,11 +418,16 @@ class ParamStore:
     def read_shard(self, mp: ManagedParam, dtype=None) -> torch.Tensor:
         """This rank's shard as a tensor of its own (a copy for nvme; the stored tensor for RAM tiers), outside
         the prefetch trace."""
-        if self._staged:
-            self._write_back_staged(mp)
-        if mp.unwritten:  # uninitialised memory in a plain build; zeros here
+        if not self._stored(mp):
             return torch.zeros(mp.part, dtype=dtype or mp.home.dtype(mp))
         return mp.home.read(mp, dtype)
+
+    def _stored(self, mp: ManagedParam) -> bool:
+        """Before a read of mp's shard: a staged change of it is written back first. False while nothing has
+        written it (uninitialised memory in a plain build; readers get zeros)."""
+        if self._staged:
+            self._write_back_staged(mp)
+        return not mp.unwritten
 
     def write_shard(self, mp: ManagedParam, values: torch.Tensor, *, wait: bool = False, keep_dtype: bool = False):
         """Replace this rank's shard with `values` (part elements), stored in the compute dtype.
@@ -451,9 +456,7 @@ class ParamStore:
 
     def _padded_full(self, mp: ManagedParam, dtype, *, scheduled: bool) -> torch.Tensor:
         """Every rank's shard of mp, concatenated, on the compute device (see [Note: gathered from the buffer])."""
-        if self._staged:
-            self._write_back_staged(mp)
-        if mp.unwritten:  # uninitialised memory in a plain build; zeros here
+        if not self._stored(mp):
             return self._assemble(torch.zeros(mp.part, dtype=dtype), True)
         return mp.home.gather(mp, dtype, self._assemble, scheduled=scheduled)
 
