@@ -122,6 +122,8 @@ PYBIND11_MODULE(_native, m) {
            "Block until done or timeout seconds (negative: forever); True when done.")
       .def("done", &Request::done)
       .def("result", &Request::result, "Bytes moved; raises OSError if the request failed.")
+      .def("crc32c", &Request::crc32c,
+           "CRC-32C of the bytes a read submitted with checksum=True brought in (taken by the I/O worker).")
       .def_property_readonly("path", &Request::path)
       .def_property_readonly("offset", &Request::offset)
       .def_property_readonly("nbytes", &Request::nbytes)
@@ -145,10 +147,10 @@ PYBIND11_MODULE(_native, m) {
            py::arg("single_submit") = false, py::arg("overlap_events") = true, py::arg("fd_cache") = 1024)
       .def(
           "submit",
-          [](Handle& h, bool write, uintptr_t ptr, size_t nbytes, const std::string& path, int64_t offset) {
-            return h.submit(write, reinterpret_cast<void*>(ptr), nbytes, path, offset);
-          },
+          [](Handle& h, bool write, uintptr_t ptr, size_t nbytes, const std::string& path, int64_t offset,
+             bool checksum) { return h.submit(write, reinterpret_cast<void*>(ptr), nbytes, path, offset, checksum); },
           py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("path"), py::arg("offset"),
+          py::arg("checksum") = false,
           py::call_guard<py::gil_scoped_release>())
       .def("wait_all", &Handle::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("forget", &Handle::forget, py::arg("path"), py::call_guard<py::gil_scoped_release>())

@@ -55,9 +55,9 @@ PENDING = -1  # no CRC-32C is negative: the shard's new values are not known to 
 
 
 class _SliceFuture:
-    def __init__(self, reader, sid, fut, view, expected, path, buf):
+    def __init__(self, reader, sid, fut, view, expected, path):
         self._reader, self._sid, self._fut, self._view = reader, sid, fut, view
-        self._expected, self._path, self._buf = expected, path, buf
+        self._expected, self._path = expected, path
         self._nbytes = view.numel() * view.element_size()
 
     def wait(self):
@@ -68,7 +68,7 @@ class _SliceFuture:
                                    "completed (an earlier error), so the file holds older weights than the "
                                    "optimizer; restart from a checkpoint")
             if self._expected is not None:
-                actual = crc32c(self._buf.tensor, self._nbytes)
+                actual = self._fut.crc32c()  # taken by the I/O thread that finished the read
                 if actual != self._expected:
                     raise SwapCorruptionError(self._path, self._sid, self._expected, actual)
         except BaseException:
@@ -134,11 +134,13 @@ class OptimizerSliceReader:
             return None
         self._held[sid] = buf
         try:
-            fut = self.aio.pread(buf.tensor, path, offset, nbytes=numel * self.itemsize)
+            expected = self.crc.get(sid)
+            fut = self.aio.pread(buf.tensor, path, offset, nbytes=numel * self.itemsize,
+                                 checksum=expected not in (None, PENDING))
         except BaseException:
             self.release(sid)
             raise
-        return _SliceFuture(self, sid, fut, buf.view(self.dtype, numel), self.crc.get(sid), path, buf)
+        return _SliceFuture(self, sid, fut, buf.view(self.dtype, numel), expected, path)
 
     def release(self, sid: str, **_) -> None:
         buf = self._held.pop(sid, None)

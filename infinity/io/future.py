@@ -43,6 +43,10 @@ class IOFuture:
         self._observed = True
         return self._req.result()
 
+    def crc32c(self) -> int:
+        """The CRC-32C of what a read submitted with checksum=True brought in; call after wait()."""
+        return self._req.crc32c()
+
     def _settled(self) -> bool:
         """Done, and either successful or already reported to someone."""
         if not self._req.done():

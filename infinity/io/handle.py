@@ -177,9 +177,15 @@ class AsyncIO:
         """Start writing `buf` (or its first `nbytes` bytes) to `path` at `offset`."""
         return self._submit(True, buf, path, offset, nbytes)
 
-    def pread(self, buf, path, offset: int = 0, nbytes: int | None = None) -> IOFuture:
-        """Start reading len(buf) (or `nbytes`) bytes of `path` at `offset` into `buf`."""
-        return self._submit(False, buf, path, offset, nbytes)
+    def pread(self, buf, path, offset: int = 0, nbytes: int | None = None, *, checksum: bool = False) -> IOFuture:
+        """Start reading len(buf) (or `nbytes`) bytes of `path` at `offset` into `buf`.
+
+        checksum=True: the I/O thread that finishes the read takes the CRC-32C of the bytes it brought in,
+        and the future's crc32c() returns it, so whoever waits does not read them again to verify them.
+        """
+        if not isinstance(checksum, bool):
+            raise ValueError(f"pread: checksum must be True or False, got {checksum!r} (path {path})")
+        return self._submit(False, buf, path, offset, nbytes, checksum)
 
     def write(self, buf, path, offset: int = 0, nbytes: int | None = None) -> int:
         """Blocking pwrite; returns the bytes written."""
@@ -212,7 +218,7 @@ class AsyncIO:
                     str(e) for e in errors[1:4]) + ("; ..." if len(errors) > 4 else ""))
             raise errors[0]
 
-    def _submit(self, write: bool, buf, path, offset, nbytes) -> IOFuture:
+    def _submit(self, write: bool, buf, path, offset, nbytes, checksum: bool = False) -> IOFuture:
         op = "pwrite" if write else "pread"
         try:
             path = os.fspath(path)
@@ -232,7 +238,7 @@ class AsyncIO:
                              f"(path {path}, offset {offset})")
         if self._impl.closed:
             raise ValueError(f"{op}: I/O handle is closed; create a new AsyncIO (path {path})")
-        req = self._impl.submit(write, addr, nbytes, path, offset)
+        req = self._impl.submit(write, addr, nbytes, path, offset, checksum)
         fut = IOFuture(req, keep, op, path, offset, nbytes)
         with self._lock:
             # Keep the futures (and through them the buffers) until done, and

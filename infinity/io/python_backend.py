@@ -26,7 +26,8 @@ def _os_error(err: int, what: str, path: str, offset: int) -> OSError:
 class _Request:
     """Same surface as the native Future: wait(timeout) -> bool, done(), result()."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, ptr: int = 0, checksum: bool = False):
+        self._ptr, self._checksum, self._crc = ptr, checksum, None
         self._event = threading.Event()
         self._error: OSError | None = None
         self._nbytes = nbytes
@@ -45,6 +46,12 @@ class _Request:
         if self._error is not None:
             raise self._error
         return self._nbytes
+
+    def crc32c(self) -> int:
+        if not self._checksum:
+            raise ValueError("crc32c(): this request was not submitted with checksum=True")
+        self.result()
+        return self._crc
 
     def _piece_done(self, error: OSError | None) -> bool:
         with self._lock:
@@ -73,9 +80,12 @@ class PythonHandle:
     def inflight(self) -> int:
         return self._inflight
 
-    def submit(self, write: bool, ptr: int, nbytes: int, path: str, offset: int) -> _Request:
+    def submit(self, write: bool, ptr: int, nbytes: int, path: str, offset: int,
+               checksum: bool = False) -> _Request:
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset} (path {path})")
+        if checksum and write:
+            raise ValueError(f"checksum is for reads: a write's caller has its bytes (path {path})")
         with self._lock:
             # Checked and counted under one lock, so close() waits for us.
             if self.closed:
@@ -94,7 +104,7 @@ class PythonHandle:
                 if nbytes > 0 and offset + nbytes > size:
                     raise _os_error(errno.ENODATA, f"read past end of file: the file has {size} bytes, "
                                     f"the request needs bytes [{offset}, {offset + nbytes})", path, offset)
-            req = _Request(nbytes)
+            req = _Request(nbytes, ptr, checksum)
             pieces = [(lo, min(self._block, nbytes - lo)) for lo in range(0, nbytes, self._block)]
             req._pending = len(pieces)
         except BaseException:
@@ -139,6 +149,15 @@ class PythonHandle:
             # A deferred write error (network filesystems) shows up at close.
             if write and req._error is None:
                 req._error = _os_error(exc.errno, "close after write failed", "", -1)
+        if req._error is None and req._checksum:  # taken before the request is done, as the native one does
+            try:
+                import torch
+
+                from infinity.swap.checksum import crc32c  # here: infinity.swap imports this package
+                req._crc = crc32c(torch.frombuffer((ctypes.c_char * req._nbytes).from_address(req._ptr),
+                                                   dtype=torch.uint8) if req._nbytes else torch.empty(0))
+            except BaseException as exc:  # noqa: BLE001 - reported by the request
+                req._error = _os_error(errno.EIO, f"checksum failed: {exc!r}", "", -1)
         if req._error is None:
             with self._lock:
                 if write:

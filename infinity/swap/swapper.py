@@ -352,7 +352,8 @@ class TensorSwapper:
                 self.pool.release(buf)
             raise
         try:
-            fut = self.aio.pread(buf.tensor, self.path_of(part_id), HEADER, nbytes=part.nbytes)
+            fut = self.aio.pread(buf.tensor, self.path_of(part_id), HEADER, nbytes=part.nbytes,
+                                 checksum=self.checksums and self._crc.get(part_id) is not None)
         except BaseException:
             with self._lock:
                 self.pool.release(part.fail_read())
@@ -410,7 +411,7 @@ class TensorSwapper:
                 if item.kind == "out":
                     self._finish_out(item.part, crc, error, item.done)
                 else:
-                    self._finish_in(item.part, error, item.done)
+                    self._finish_in(item.part, item.futures, error, item.done)
             except BaseException as exc:  # noqa: BLE001
                 if not item.done.done():
                     item.done._set(None, exc)
@@ -450,11 +451,11 @@ class TensorSwapper:
             self.pool.release(buf)
         out._set(None, error)
 
-    def _finish_in(self, part: Partition, error, out: SwapFuture) -> None:
+    def _finish_in(self, part: Partition, futs: list, error, out: SwapFuture) -> None:
         buf = part.buffer
         if error is None and self.checksums and self._crc.get(part.id) is not None:
             try:
-                actual = crc32c(buf.tensor, part.nbytes)
+                actual = futs[0].crc32c()  # taken by the I/O thread ([Note: checksum on completion])
                 if actual != self._crc[part.id]:
                     error = SwapCorruptionError(self.path_of(part.id), part.id, self._crc[part.id], actual)
             except BaseException as exc:  # noqa: BLE001 - still end the read below

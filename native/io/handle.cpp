@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "../cpu/crc32c.hpp"
 #include "fault.hpp"
 #include "file.hpp"
 
@@ -59,6 +60,15 @@ size_t Request::result() {
   return nbytes_;
 }
 
+uint32_t Request::crc32c() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!checksum_)
+    throw ArgumentError("crc32c(): this request was not submitted with checksum=True (path " + path_ + ")");
+  if (!done_) throw ArgumentError("crc32c() called before the request finished; call wait() first");
+  if (error_.err != 0) throw IoError(error_);
+  return crc_;
+}
+
 void Request::chunk_finished(const ErrorInfo* err) {
   if (err) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -91,6 +101,8 @@ void Request::complete() {
     std::lock_guard<std::mutex> lk(mu_);
     ok = error_.err == 0;
   }
+  // See [Note: checksum on completion]; the lock is not held over the bytes (nothing reads crc_ before done_).
+  if (ok && checksum_) crc_ = infinity::cpu::crc32c(buf_, nbytes_);
   // Byte counters first, so a waiter that wakes up sees them updated.
   if (ok) (write_ ? handle_->bytes_written_ : handle_->bytes_read_).fetch_add(nbytes_);
   {
@@ -399,7 +411,7 @@ void Handle::release_inflight() {
 }
 
 std::shared_ptr<Request> Handle::submit(bool write, void* buf, size_t nbytes, const std::string& path,
-                                        int64_t offset) {
+                                        int64_t offset, bool checksum) {
   if (offset < 0)
     throw ArgumentError("offset must be >= 0, got " + std::to_string(offset) + " (path " + path + ")");
   if (path.empty()) throw ArgumentError("path must not be empty");
@@ -408,6 +420,8 @@ std::shared_ptr<Request> Handle::submit(bool write, void* buf, size_t nbytes, co
     throw ArgumentError("path contains a NUL byte (open() would use only the part before it): " +
                         path.substr(0, path.find('\0')) + "\\0...");
   if (nbytes > 0 && buf == nullptr) throw ArgumentError("buffer pointer is null (path " + path + ")");
+  if (checksum && write)
+    throw ArgumentError("checksum is for reads: a write's caller has its bytes (path " + path + ")");
 
   {
     std::lock_guard<std::mutex> lk(queue_mu_);
@@ -415,6 +429,8 @@ std::shared_ptr<Request> Handle::submit(bool write, void* buf, size_t nbytes, co
     inflight_.fetch_add(1);
   }
   auto req = std::make_shared<Request>(this, write, path, offset, nbytes);
+  req->buf_ = static_cast<char*>(buf);
+  req->checksum_ = checksum;
   try {
     plan(*req, static_cast<char*>(buf));
   } catch (...) {

@@ -9,6 +9,14 @@
 // `self_`; it touches neither the Request nor its Chunks afterwards. The
 // caller must keep the user buffer alive until the Request is done; the
 // Python layer does so by holding the buffer in the future.
+//
+// [Note: checksum on completion]
+// A read submitted with checksum=true has the CRC-32C of its bytes taken by
+// the worker that finishes its last chunk, in complete(), before the request
+// is marked done (the buffer is still the caller's to keep alive then, and
+// every chunk, bounce copies included, has landed in it). The caller compares
+// that number with the one it expects, so a verified read costs its waiting
+// thread nothing: for the engine, the step thread that needs the shard.
 #pragma once
 
 #include <atomic>
@@ -53,6 +61,9 @@ class Request {
   bool done();
   // Bytes moved; throws IoError if the request failed. Call after wait().
   size_t result();
+  // The CRC-32C of the bytes a read brought in, taken by the worker that finished it (see [Note: checksum
+  // on completion]); throws IoError if the read failed, ArgumentError if it was not asked for or is not done.
+  uint32_t crc32c();
 
   bool is_write() const { return write_; }
   const std::string& path() const { return path_; }
@@ -76,6 +87,9 @@ class Request {
   std::atomic<size_t> unfinished_{0};
   std::atomic<bool> failed_{false};
   std::shared_ptr<Request> self_;  // see [Note: request lifetime]
+  char* buf_ = nullptr;      // the user's memory (read by complete() when checksum_)
+  bool checksum_ = false;    // a read whose CRC-32C complete() takes
+  uint32_t crc_ = 0;
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -92,7 +106,9 @@ class Handle {
 
   // Starts a read into / write from [buf, buf+nbytes) at `offset` of `path`.
   // Argument and open errors throw here; I/O errors surface from the Request.
-  std::shared_ptr<Request> submit(bool write, void* buf, size_t nbytes, const std::string& path, int64_t offset);
+  // checksum (reads only): the finishing worker takes the CRC-32C of what landed (Request::crc32c).
+  std::shared_ptr<Request> submit(bool write, void* buf, size_t nbytes, const std::string& path, int64_t offset,
+                                  bool checksum = false);
   void wait_all();
   // Drops the cached fds of `path` (see [Note: cached file descriptors]).
   void forget(const std::string& path) { fds_.forget(path); }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "cpu/crc32c.hpp"
 #include "io/engine.hpp"
 #include "io/fault.hpp"
 #include "io/file.hpp"
@@ -53,10 +54,13 @@ static void round_trips(Backend b) {
         auto w = h.submit(true, src.data() + shift, n, path, off);
         w->wait(-1);
         CHECK(w->result() == n);
-        auto r = h.submit(false, dst.data() + 7, n, path, off);
+        // Every other read has the worker take its checksum (see [Note: checksum on completion]).
+        const bool sum = (n + off + shift) % 2 == 0;
+        auto r = h.submit(false, dst.data() + 7, n, path, off, sum);
         r->wait(-1);
         CHECK(r->result() == n);
         CHECK(n == 0 || std::memcmp(src.data() + shift, dst.data() + 7, n) == 0);
+        if (sum) CHECK(r->crc32c() == infinity::cpu::crc32c(src.data() + shift, n));
       }
     }
   }
@@ -135,6 +139,27 @@ static void errors(Backend b) {
     }
   }
   CHECK(failed == 1);
+  // A checksum is a read's; asking a request that did not want one, or a failed read, for it throws.
+  try {
+    h.submit(true, buf, sizeof buf, path, 0, true);
+    CHECK(false);
+  } catch (const ArgumentError&) {
+  }
+  try {
+    a->crc32c();
+    CHECK(false);
+  } catch (const ArgumentError&) {
+  }
+  arm_fault(1, FaultMode::kErrno, EIO);
+  auto bad = h.submit(false, big.data(), big.size(), g_dir + "/c.bin", 0, true);
+  bad->wait(-1);
+  try {
+    bad->crc32c();
+    CHECK(false);
+  } catch (const IoError& e) {
+    CHECK(e.info().err == EIO);
+  }
+  disarm_fault();
   // Injected short read is resubmitted, not reported as done.
   std::vector<char> back(big.size());
   auto w2 = h.submit(true, big.data(), big.size(), g_dir + "/a.bin", 0);

@@ -180,3 +180,13 @@ def test_a_path_with_a_nul_byte_is_refused_not_cut(backend, disk_dir):
             with pytest.raises(ValueError, match=r"(path contains a NUL byte|embedded null byte)"):
                 op(np.zeros(4, np.uint8), f"{cut}\0b")
     assert not cut.exists(), "nothing may be written to the path cut at the NUL"
+
+
+def test_checksum_is_for_reads_and_is_a_bool(backend, disk_dir):
+    path = disk_dir / "a.bin"
+    with AsyncIO(backend=backend) as h:
+        with pytest.raises(ValueError, match=r"pread: checksum must be True or False, got 1 \(path .*a.bin\)"):
+            h.pread(np.zeros(4, np.uint8), path, checksum=1)
+        with pytest.raises(TypeError):
+            h.pwrite(np.zeros(4, np.uint8), path, checksum=True)
+    assert not path.exists(), "a rejected request must not create the file"

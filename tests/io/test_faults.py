@@ -100,3 +100,15 @@ def test_fault_from_environment(native_backend, needs_native, data):
 def test_bad_fault_mode(needs_native):
     with pytest.raises(ValueError, match="fault mode must be errno, short or zero, got boom"):
         needs_native.set_fault(1, "boom")
+
+
+def test_a_failed_checksummed_read_raises_its_error_not_a_checksum(native_backend, needs_native, data):
+    src, path = data
+    dst = np.zeros_like(src)
+    with AsyncIO(backend=native_backend, block_size=BLOCK, queue_depth=4) as h:
+        needs_native.set_fault(2, "errno", errno.EIO)
+        fut = h.pread(dst, path, checksum=True)
+        with pytest.raises(OSError, match=r"Input/output error"):
+            fut.wait(timeout=30)
+        with pytest.raises(OSError, match=r"Input/output error"):
+            fut.crc32c()

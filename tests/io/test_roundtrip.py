@@ -173,3 +173,24 @@ def test_many_requests_in_flight_match_memory_model(backend, disk_dir, queue_dep
             for fut, off, n, buf in pending:
                 assert fut.wait() == n
                 assert buf.tobytes() == bytes(model[off:off + n]), f"read [{off}, {off + n})"
+
+
+@pytest.mark.parametrize("size", [0, 1, 4097, (1 << 20) + 1])
+@pytest.mark.parametrize("shift", [0, 3])
+def test_read_with_checksum_gives_the_crc_of_what_landed(backend, disk_dir, size, shift):
+    """pread(checksum=True): the I/O thread takes the CRC-32C of the bytes it read (unaligned heads and tails,
+    bounce copies included), the same number crc32c gives for the source."""
+    from infinity.swap.checksum import crc32c
+
+    path = disk_dir / "c.bin"
+    src = _misaligned(size, shift, seed=size)
+    dst = _misaligned(size, (shift * 5) % 64)
+    with AsyncIO(backend=backend, block_size=64 << 10, queue_depth=4) as h:
+        h.write(src, path, 4096 + shift)
+        fut = h.pread(dst, path, 4096 + shift, checksum=True)
+        assert fut.wait() == size
+        assert fut.crc32c() == crc32c(torch.from_numpy(src.copy())), "the checksum of the bytes read"
+        plain = h.pread(dst, path, 4096 + shift)
+        plain.wait()
+        with pytest.raises(ValueError, match=r"not submitted with checksum=True"):
+            plain.crc32c()
