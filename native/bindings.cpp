@@ -87,8 +87,10 @@ infinity::cpu::SimdLevel simd_from(const std::string& name) {
   using infinity::cpu::SimdLevel;
   if (name == "auto") return infinity::cpu::active_simd();
   SimdLevel want = name == "scalar" ? SimdLevel::kScalar : name == "avx2" ? SimdLevel::kAvx2
-                 : name == "avx512" ? SimdLevel::kAvx512 : static_cast<SimdLevel>(-1);
-  if (static_cast<int>(want) < 0) throw ArgumentError("simd must be auto, scalar, avx2 or avx512, got " + name);
+                 : name == "avx512" ? SimdLevel::kAvx512 : name == "avx512_bf16" ? SimdLevel::kAvx512Bf16
+                 : static_cast<SimdLevel>(-1);
+  if (static_cast<int>(want) < 0)
+    throw ArgumentError("simd must be auto, scalar, avx2, avx512 or avx512_bf16, got " + name);
   if (static_cast<int>(want) > static_cast<int>(infinity::cpu::detected_simd()))
     throw ArgumentError("simd=" + name + " is not supported by this CPU (it has " +
                         infinity::cpu::simd_name(infinity::cpu::detected_simd()) + ")");

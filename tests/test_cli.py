@@ -109,3 +109,13 @@ def test_bench_swap_smoke_json(tmp_path):
     if shutil.which("fio"):
         assert row["io_bound_s"] > 0 and row["ratio"] == pytest.approx(row["step_s"] / row["io_bound_s"])
     assert not (tmp_path / "infinity-swap").exists(), "a clean close removes the swap files"
+
+
+def test_bench_adam_compares_within_rounds():
+    # A round where the machine was slow for both sides must not count against either: the ratio is taken
+    # per round, then the median; the ratio of the two medians would be 4/3 here.
+    from infinity.bench.adam import paired_ratio
+
+    assert paired_ratio([2.0, 4.0, 6.0], [1.0, 4.0, 3.0]) == 2.0
+    with pytest.raises(ValueError):
+        paired_ratio([1.0, 2.0], [1.0])

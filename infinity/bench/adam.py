@@ -2,7 +2,9 @@
 
 All implementations run in one process on tensors of the same size, one
 optimizer step per timed sample, round-robin across implementations, median
-of --repeats after one warm-up each.
+of --repeats after one warm-up each, with a pause before each sample (see
+_PAUSE_S). "vs fused" is the median over rounds of the ratio to torch's
+fused step in the same round (paired_ratio).
 Rows, per size:
   fp32 only        infinity/<simd> (with and without the inf/nan pre-check),
                    torch.optim.AdamW fused=True and foreach=True
@@ -36,7 +38,7 @@ import torch
 from infinity._native_loader import native
 from infinity.units import parse_count
 
-LEVELS = ("avx512", "avx2", "scalar")
+LEVELS = ("avx512_bf16", "avx512", "avx2", "scalar")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,8 +55,15 @@ class AdamResult:
     bitexact_vs_scalar: bool | None = None
 
 
-def _interleaved_rates(fns: list, numel: int, repeats: int) -> list[tuple[float, float]]:
-    """Median and stdev of params/s per function, timed round-robin.
+# Before each sample. torch's OpenMP workers spin-wait for a while after a parallel region; on a 2-core
+# machine that took 15-20 % of the cores from whatever ran next (our 50M-element bf16-moments step ran at
+# 2.29 Gparam/s right after torch's fused step, 2.85 after 50 ms). The pause lets them go to sleep, so no
+# row is charged for the one before it.
+_PAUSE_S = 0.05
+
+
+def _interleaved_samples(fns: list, numel: int, repeats: int) -> list[list[float]]:
+    """params/s of every round per function, timed round-robin.
 
     One step of each implementation per round, so drift in a shared
     machine's memory bandwidth hits all of them alike.
@@ -64,10 +73,21 @@ def _interleaved_rates(fns: list, numel: int, repeats: int) -> list[tuple[float,
     samples = [[] for _ in fns]
     for _ in range(repeats):
         for k, fn in enumerate(fns):
+            time.sleep(_PAUSE_S)
             t0 = time.perf_counter()
             fn()
             samples[k].append(numel / (time.perf_counter() - t0))
-    return [(statistics.median(s), statistics.stdev(s) if len(s) > 1 else 0.0) for s in samples]
+    return samples
+
+
+def paired_ratio(ours: list[float], base: list[float]) -> float:
+    """Median over rounds of ours/base, each round's two samples taken moments apart.
+
+    On a machine whose memory bandwidth drifts by tens of percent within a
+    minute, the ratio of two medians mixes different moments; the ratio
+    within a round does not.
+    """
+    return statistics.median(a / b for a, b in zip(ours, base, strict=True))
 
 
 class _Tensors:
@@ -182,9 +202,11 @@ def measure(numel: int, repeats: int, levels: list[str]) -> list[AdamResult]:
     roof_out = torch.empty(numel, dtype=torch.bfloat16)
     plan.append(("roofline", None, _roofline(roof_arrays, roof_out, lowp=False)))
     plan.append(("roofline", "bf16", _roofline(roof_arrays, roof_out, lowp=True)))
-    rates = _interleaved_rates([fn for _, _, fn in plan], numel, repeats)
-    rows = [AdamResult(impl=impl, numel=numel, lowp=lowp, params_per_s=rate, stdev=sd)
-            for (impl, lowp, _), (rate, sd) in zip(plan, rates)]
+    samples = _interleaved_samples([fn for _, _, fn in plan], numel, repeats)
+    rows = [AdamResult(impl=impl, numel=numel, lowp=lowp, params_per_s=statistics.median(s),
+                       stdev=statistics.stdev(s) if len(s) > 1 else 0.0)
+            for (impl, lowp, _), s in zip(plan, samples)]
+    of = {id(r): s for r, s in zip(rows, samples)}
 
     roof = {r.lowp: r.params_per_s for r in rows if r.impl == "roofline"}
     for r in rows:
@@ -193,7 +215,7 @@ def measure(numel: int, repeats: int, levels: list[str]) -> list[AdamResult]:
         suffix = r.impl.rsplit("/", 1)[-1]
         peer = f"torch/fused/{suffix}" if suffix.startswith("amp") else "torch/fused"
         base = next(x for x in rows if x.impl == peer and x.lowp == r.lowp)
-        r.vs_torch_fused = r.params_per_s / base.params_per_s
+        r.vs_torch_fused = paired_ratio(of[id(r)], of[id(base)])
         if "bf16-moments" in r.impl:
             # The roofline kernel moves fp32 moments: no fraction of it applies to these rows.
             rounding = "stochastic" if r.impl.endswith("-sr") else "nearest"
@@ -223,7 +245,7 @@ def run(args) -> int:
     if not args.json:
         print(f"# bench adam: sizes={sizes} repeats={args.repeats} threads: ours={native.get_num_threads()} "
               f"torch={torch.get_num_threads()} simd={levels} torch={torch.__version__}", flush=True)
-        print(f"{'impl':34} {'numel':>11} {'lowp':>5} {'Gparam/s':>9} {'±':>6} {'vs fused':>8} {'roofline':>8}")
+        print(f"{'impl':38} {'numel':>11} {'lowp':>5} {'Gparam/s':>9} {'±':>6} {'vs fused':>8} {'roofline':>8}")
     for numel in sizes:
         for r in measure(numel, args.repeats, levels):
             if args.json:
@@ -233,6 +255,6 @@ def run(args) -> int:
                 rf = f"{100 * r.roofline_frac:7.1f}%" if r.roofline_frac is not None else ""
                 if r.bitexact_vs_scalar is not None:
                     rf = " bit-exact vs scalar" if r.bitexact_vs_scalar else " DIFFERS FROM SCALAR"
-                print(f"{r.impl:34} {r.numel:>11} {r.lowp or '-':>5} {r.params_per_s / 1e9:9.3f} "
+                print(f"{r.impl:38} {r.numel:>11} {r.lowp or '-':>5} {r.params_per_s / 1e9:9.3f} "
                       f"{r.stdev / 1e9:6.3f} {vs} {rf}", flush=True)
     return 0

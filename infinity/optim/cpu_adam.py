@@ -87,10 +87,12 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 
     `exp_avg` and `exp_avg_sq` are both fp32, or both bf16 (offload_optimizer.moments_dtype "bf16"): then
     they are read as bf16, updated in fp32 and stored rounded to bf16, by `moment_rounding` "nearest"
-    (even) or "stochastic", whose random bits are a hash of `moment_seed` (a uint32) and the element's index.
+    (even; subnormal moments become zero and a NaN keeps its payload's top, as AVX512_BF16's VCVTNE2PS2BF16
+    rounds, on every code path) or "stochastic", whose random bits are a hash of `moment_seed` (a uint32) and
+    the element's index.
 
-    The code path follows the CPU (AVX-512, AVX2 or scalar); set
-    INFINITY_SIMD=scalar|avx2|avx512 to force a lower one.
+    The code path follows the CPU (AVX-512 with AVX512_BF16, AVX-512, AVX2 or scalar); set
+    INFINITY_SIMD=scalar|avx2|avx512|avx512_bf16 to force a lower one.
     """
     _check_tensor("param", param, (torch.float32,), None)
     n = param.numel()

@@ -54,7 +54,7 @@ void store_moment(const AdamArgs& a, void* m, size_t i, float x, uint32_t r) {
     return;
   }
   static_cast<uint16_t*>(m)[i] =
-      a.moment_rounding == Rounding::kStochastic ? f32_to_bf16_stochastic(f32_bits(x), r) : f32_to_bf16(x);
+      a.moment_rounding == Rounding::kStochastic ? f32_to_bf16_stochastic(f32_bits(x), r) : f32_to_bf16_flush(x);
 }
 }  // namespace
 
@@ -77,11 +77,9 @@ AdamScalars adam_scalars(const AdamArgs& a) {
 }
 
 // The reference. One element at a time, in torch.optim.AdamW's order.
-bool adam_range_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
-  bool nonfinite = false;
+void adam_range_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
   for (size_t i = lo; i < hi; ++i) {
     float g = load_grad(a.grad, a.grad_dtype, i) * s.inv_scale;  // unscale: grad * (1 / loss_scale)
-    nonfinite |= !std::isfinite(g);                               // overflowed or inf/nan gradient
     float p = a.param[i];
     if (s.l2 != 0.0f) g = g + s.l2 * p;                           // Adam: L2 penalty joins the gradient
     p = p * s.decay;                                              // AdamW: param.mul_(1 - lr * wd)
@@ -104,7 +102,6 @@ bool adam_range_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size_
       out[i] = a.lowp_dtype == Dtype::kBF16 ? f32_to_bf16(p) : f32_to_f16(p);
     }
   }
-  return nonfinite;
 }
 
 bool nonfinite_scalar(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi) {
@@ -116,7 +113,7 @@ bool nonfinite_scalar(const void* grad, Dtype dt, float inv_scale, size_t lo, si
 bool any_nonfinite(const void* grad, Dtype dt, size_t n, float inv_scale, SimdLevel level) {
   auto scan = nonfinite_scalar;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (level == SimdLevel::kAvx512) scan = nonfinite_avx512;
+  if (level >= SimdLevel::kAvx512) scan = nonfinite_avx512;
   if (level == SimdLevel::kAvx2) scan = nonfinite_avx2;
 #else
   (void)level;
@@ -135,6 +132,7 @@ bool adam_step(const AdamArgs& a, SimdLevel level) {
   auto update = adam_range_scalar;
 #if defined(__x86_64__) && defined(__GNUC__)
   if (level == SimdLevel::kAvx512) update = adam_range_avx512;
+  if (level == SimdLevel::kAvx512Bf16) update = adam_range_avx512bf16;
   if (level == SimdLevel::kAvx2) update = adam_range_avx2;
 #endif
   // "Leave every buffer untouched" needs the verdict before the first

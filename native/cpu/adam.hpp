@@ -82,14 +82,16 @@ bool any_nonfinite(const void* grad, Dtype dt, size_t n, float inv_scale, SimdLe
 // then no buffer was written (needs check_finite). `level` picks the code path.
 bool adam_step(const AdamArgs& a, SimdLevel level);
 
-// Kernels over [lo, hi), one per code path. They return true if they saw a
-// non-finite unscaled gradient (the update still ran; adam_step scans first).
-bool adam_range_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi);
-bool adam_range_avx2(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi);
-bool adam_range_avx512(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi);
+// Kernels over [lo, hi), one per code path. They update whatever the gradients
+// hold: the inf/nan verdict is adam_step's read-only sweep before them.
+void adam_range_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi);
+void adam_range_avx2(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi);
+void adam_range_avx512(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi);
+void adam_range_avx512bf16(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi);
 bool nonfinite_scalar(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi);
 bool nonfinite_avx2(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi);
 bool nonfinite_avx512(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi);
+bool nonfinite_avx512bf16(const void* grad, Dtype dt, float inv_scale, size_t lo, size_t hi);
 
 // The roofline reference: Adam's memory traffic (read p, g, m, v; write p, m,
 // v; optionally a 2-byte copy) with trivial arithmetic. Returns elapsed seconds.

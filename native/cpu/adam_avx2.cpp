@@ -69,11 +69,40 @@ struct V {
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     store_bf16_bits(out, x, _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16));
   }
+  // The moments' rounding ([Note: bf16 moments round as VCVTNE2PS2BF16 does] in lowp.hpp).
+  static void store_bf16_flush(uint16_t* out, F x) {
+    const __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
+    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f800000)), _mm256_setzero_si256());
+    r = _mm256_blendv_epi8(r, _mm256_and_si256(hi, _mm256_set1_epi32(0x8000)), tiny);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
+  static void store_bf16x2_flush(uint16_t* out, F a, F b) {
+    store_bf16_flush(out, a);
+    store_bf16_flush(out + kWidth, b);
+  }
   static void store_bf16_stochastic(uint16_t* out, F x, I rnd) {
     store_bf16_bits(out, x, _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), rnd), 16));
   }
   static void store_f16(uint16_t* out, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  // Two vectors' worth at once (the kernel's unrolled loop); AVX2 has no word permute, so one at a time.
+  static void load_bf16x2(const uint16_t* p, F& a, F& b) {
+    a = load_bf16(p);
+    b = load_bf16(p + kWidth);
+  }
+  static void store_bf16x2(uint16_t* out, F a, F b) {
+    store_bf16(out, a);
+    store_bf16(out + kWidth, b);
+  }
+  static void store_bf16x2_stochastic(uint16_t* out, F a, F b, I ra, I rb) {
+    store_bf16_stochastic(out, a, ra);
+    store_bf16_stochastic(out + kWidth, b, rb);
   }
 };
 

@@ -19,7 +19,7 @@ static typename V::I moment_bits_v(uint32_t seed, size_t i) {
 
 // LOWP: 0 none, 1 bf16, 2 fp16. MOM: 0 fp32 moments, 1 bf16 nearest-even, 2 bf16 stochastic.
 template <Dtype G, int LOWP, int MOM>
-static bool adam_kernel(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+static void adam_kernel(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
   typedef typename V::F F;
   float* const m32 = static_cast<float*>(a.exp_avg);
   float* const v32 = static_cast<float*>(a.exp_avg_sq);
@@ -29,38 +29,86 @@ static bool adam_kernel(const AdamArgs& a, const AdamScalars& s, size_t lo, size
   const F w1 = V::set1(s.w1), omw1 = V::set1(1.0f - s.w1), beta2 = V::set1(s.beta2), c2 = V::set1(s.c2);
   const F bc2 = V::set1(s.bc2_sqrt), inv_bc2 = V::set1(s.inv_bc2_sqrt), eps = V::set1(s.eps), neg_step = V::set1(s.neg_step);
   const bool use_l2 = s.l2 != 0.0f, lerp_low = s.lerp_low;
-  typename V::Mask bad = V::no_mask();
-  size_t i = lo;
-  for (; i + V::kWidth <= hi; i += V::kWidth) {
-    F g = V::mul(V::template load_grad<G>(a.grad, i), inv);
-    bad = V::or_nonfinite(bad, g);
-    F p = V::load(a.param + i);
-    if (use_l2) g = V::add(g, V::mul(l2, p));
-    p = V::mul(p, decay);
-    F m = MOM ? V::load_bf16(m16 + i) : V::load(m32 + i);
-    m = lerp_low ? V::add(m, V::mul(w1, V::sub(g, m))) : V::sub(g, V::mul(V::sub(g, m), omw1));
-    F v = V::mul(MOM ? V::load_bf16(v16 + i) : V::load(v32 + i), beta2);
-    v = V::add(v, V::mul(V::mul(c2, g), g));
-    F denom = MOM ? V::add(V::mul(V::sqrt(v), inv_bc2), eps) : V::add(V::div(V::sqrt(v), bc2), eps);
-    p = V::add(p, V::mul(neg_step, V::div(m, denom)));
-    V::store(a.param + i, p);
+  // One vector's update (the arithmetic of every lane, unchanged from adam_range_scalar). The main loop
+  // runs two vectors per turn so that bf16 moments and copies convert 2 x V::kWidth values at once.
+  struct Lane {
+    F g, p, m, v;
+  };
+  auto load = [&](size_t j) {
+    Lane l;
+    l.g = V::mul(V::template load_grad<G>(a.grad, j), inv);
+    l.p = V::load(a.param + j);
+    l.m = MOM ? V::load_bf16(m16 + j) : V::load(m32 + j);
+    l.v = MOM ? V::load_bf16(v16 + j) : V::load(v32 + j);
+    return l;
+  };
+  auto update = [&](Lane& l) {
+    if (use_l2) l.g = V::add(l.g, V::mul(l2, l.p));
+    l.p = V::mul(l.p, decay);
+    l.m = lerp_low ? V::add(l.m, V::mul(w1, V::sub(l.g, l.m))) : V::sub(l.g, V::mul(V::sub(l.g, l.m), omw1));
+    l.v = V::add(V::mul(l.v, beta2), V::mul(V::mul(c2, l.g), l.g));
+    F denom = MOM ? V::add(V::mul(V::sqrt(l.v), inv_bc2), eps) : V::add(V::div(V::sqrt(l.v), bc2), eps);
+    l.p = V::add(l.p, V::mul(neg_step, V::div(l.m, denom)));
+  };
+  auto store = [&](const Lane& l, size_t j) {
+    V::store(a.param + j, l.p);
     if (MOM == 0) {
-      V::store(m32 + i, m);
-      V::store(v32 + i, v);
+      V::store(m32 + j, l.m);
+      V::store(v32 + j, l.v);
     } else if (MOM == 1) {
-      V::store_bf16(m16 + i, m);
-      V::store_bf16(v16 + i, v);
+      V::store_bf16_flush(m16 + j, l.m);
+      V::store_bf16_flush(v16 + j, l.v);
     } else {
-      const typename V::I bits = moment_bits_v(a.moment_seed, i);
-      V::store_bf16_stochastic(m16 + i, m, V::iand(bits, V::iset1(0xffffu)));
-      V::store_bf16_stochastic(v16 + i, v, V::template isrl<16>(bits));
+      const typename V::I bits = moment_bits_v(a.moment_seed, j);
+      V::store_bf16_stochastic(m16 + j, l.m, V::iand(bits, V::iset1(0xffffu)));
+      V::store_bf16_stochastic(v16 + j, l.v, V::template isrl<16>(bits));
     }
-    if (LOWP == 1) V::store_bf16(static_cast<uint16_t*>(a.out_lowp) + i, p);
-    if (LOWP == 2) V::store_f16(static_cast<uint16_t*>(a.out_lowp) + i, p);
+    if (LOWP == 1) V::store_bf16(static_cast<uint16_t*>(a.out_lowp) + j, l.p);
+    if (LOWP == 2) V::store_f16(static_cast<uint16_t*>(a.out_lowp) + j, l.p);
+  };
+  size_t i = lo;
+  const size_t w = V::kWidth;
+  for (; i + 2 * w <= hi; i += 2 * w) {
+    Lane x, y;
+    x.g = V::mul(V::template load_grad<G>(a.grad, i), inv);
+    y.g = V::mul(V::template load_grad<G>(a.grad, i + w), inv);
+    x.p = V::load(a.param + i);
+    y.p = V::load(a.param + i + w);
+    if (MOM) {  // bf16 moments: 2 x V::kWidth values per conversion (see [Note: bf16 pairs by word permutes])
+      V::load_bf16x2(m16 + i, x.m, y.m);
+      V::load_bf16x2(v16 + i, x.v, y.v);
+    } else {
+      x.m = V::load(m32 + i), y.m = V::load(m32 + i + w);
+      x.v = V::load(v32 + i), y.v = V::load(v32 + i + w);
+    }
+    update(x);
+    update(y);
+    V::store(a.param + i, x.p);
+    V::store(a.param + i + w, y.p);
+    if (MOM == 0) {
+      V::store(m32 + i, x.m), V::store(m32 + i + w, y.m);
+      V::store(v32 + i, x.v), V::store(v32 + i + w, y.v);
+    } else if (MOM == 1) {
+      V::store_bf16x2_flush(m16 + i, x.m, y.m);
+      V::store_bf16x2_flush(v16 + i, x.v, y.v);
+    } else {
+      const typename V::I bx = moment_bits_v(a.moment_seed, i), by = moment_bits_v(a.moment_seed, i + w);
+      const typename V::I low = V::iset1(0xffffu);
+      V::store_bf16x2_stochastic(m16 + i, x.m, y.m, V::iand(bx, low), V::iand(by, low));
+      V::store_bf16x2_stochastic(v16 + i, x.v, y.v, V::template isrl<16>(bx), V::template isrl<16>(by));
+    }
+    if (LOWP == 1) V::store_bf16x2(static_cast<uint16_t*>(a.out_lowp) + i, x.p, y.p);
+    if (LOWP == 2) {
+      V::store_f16(static_cast<uint16_t*>(a.out_lowp) + i, x.p);
+      V::store_f16(static_cast<uint16_t*>(a.out_lowp) + i + w, y.p);
+    }
   }
-  bool nonfinite = V::any(bad);
-  if (i < hi) nonfinite |= adam_range_scalar(a, s, i, hi);
-  return nonfinite;
+  for (; i + V::kWidth <= hi; i += V::kWidth) {
+    Lane x = load(i);
+    update(x);
+    store(x, i);
+  }
+  if (i < hi) adam_range_scalar(a, s, i, hi);
 }
 
 template <Dtype G>
@@ -84,20 +132,20 @@ static bool nonfinite_kernel(const void* grad, float inv_scale, size_t lo, size_
 }
 
 template <Dtype G, int LOWP>
-static bool adam_dispatch_moments(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+static void adam_dispatch_moments(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
   if (a.moment_dtype != Dtype::kBF16) return adam_kernel<G, LOWP, 0>(a, s, lo, hi);
   return a.moment_rounding == Rounding::kStochastic ? adam_kernel<G, LOWP, 2>(a, s, lo, hi)
                                                     : adam_kernel<G, LOWP, 1>(a, s, lo, hi);
 }
 
 template <Dtype G>
-static bool adam_dispatch_lowp(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+static void adam_dispatch_lowp(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
   if (!a.out_lowp) return adam_dispatch_moments<G, 0>(a, s, lo, hi);
   return a.lowp_dtype == Dtype::kBF16 ? adam_dispatch_moments<G, 1>(a, s, lo, hi)
                                       : adam_dispatch_moments<G, 2>(a, s, lo, hi);
 }
 
-static bool adam_dispatch(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+static void adam_dispatch(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
   switch (a.grad_dtype) {
     case Dtype::kBF16: return adam_dispatch_lowp<Dtype::kBF16>(a, s, lo, hi);
     case Dtype::kF16: return adam_dispatch_lowp<Dtype::kF16>(a, s, lo, hi);
@@ -118,8 +166,8 @@ static bool nonfinite_dispatch(const void* grad, Dtype dt, float inv_scale, size
 // The exported entry points of this ISA (names from INFINITY_ISA_SUFFIX).
 #define INFINITY_CAT2(a, b) a##b
 #define INFINITY_CAT(a, b) INFINITY_CAT2(a, b)
-bool INFINITY_CAT(adam_range_, INFINITY_ISA_SUFFIX)(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
-  return adam_dispatch(a, s, lo, hi);
+void INFINITY_CAT(adam_range_, INFINITY_ISA_SUFFIX)(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  adam_dispatch(a, s, lo, hi);
 }
 bool INFINITY_CAT(nonfinite_, INFINITY_ISA_SUFFIX)(const void* grad, Dtype dt, float inv_scale, size_t lo,
                                                     size_t hi) {

@@ -1,7 +1,8 @@
 // Scalar float <-> bf16/fp16 conversions, round-to-nearest-even, matching
 // torch's `tensor.to(dtype)` bit for bit (including subnormals). NaN becomes
-// 0xffff in bf16 (what torch's vectorised CPU conversion writes) and the
-// quiet NaN 0x7e00 (with sign) in fp16.
+// 0xffff in bf16 (what torch's vectorised CPU conversion writes) and, in fp16,
+// what F16C's VCVTPS2PH (the SIMD paths' conversion) makes of it: sign, all-ones
+// exponent, the quiet bit, and the top 9 bits of the payload.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,23 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// [Note: bf16 moments round as VCVTNE2PS2BF16 does]
+// bf16 Adam moments (nearest) are rounded as AVX512_BF16's conversion rounds:
+// to nearest even, with subnormal inputs flushed to zero of their sign, and a
+// NaN quieted with the top of its payload kept (checked against the
+// instruction for all 2^32 inputs). The instruction converts 32 values at
+// once; every other path (scalar, AVX2, AVX-512 without it) does this same
+// arithmetic, so all paths store the same bits. A subnormal moment (below
+// 1.2e-38) counts for nothing beside eps = 1e-8, so the flush changes no
+// update that matters. The parameter copy (f32_to_bf16) keeps torch's rounding.
+inline uint16_t f32_to_bf16_flush(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN, quieted
+  if ((u & 0x7f800000u) == 0) return static_cast<uint16_t>((u >> 16) & 0x8000u);       // zero, subnormal
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
 inline float f16_to_f32(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
@@ -48,7 +66,7 @@ inline uint16_t f32_to_f16(float f) {
   uint32_t u = f32_bits(f);
   uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00;  // NaN
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x1ffu));  // NaN
   if (a >= 0x477ff000u) return sign | 0x7c00;  // >= 65520 rounds to infinity
   if (a < 0x38800000u) {
     // Below the smallest normal half (2^-14): adding 0.5f aligns the value

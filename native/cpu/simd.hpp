@@ -4,7 +4,9 @@
 
 namespace infinity::cpu {
 
-enum class SimdLevel { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAvx512Bf16: AVX-512 plus AVX512_BF16, whose VCVTNE2PS2BF16 rounds bf16 Adam moments (nearest) two
+// vectors per instruction; everything else runs the kAvx512 code.
+enum class SimdLevel { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 SimdLevel detected_simd();     // what the CPU supports
 SimdLevel active_simd();       // detected, capped by INFINITY_SIMD

@@ -49,7 +49,7 @@ __attribute__((target("avx512f,avx512bw"))) void traffic_avx512(float* __restric
 
 void traffic(float* p, const float* g, float* m, float* v, uint16_t* lowp, size_t lo, size_t hi) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (detected_simd() == SimdLevel::kAvx512) return traffic_avx512(p, g, m, v, lowp, lo, hi);
+  if (detected_simd() >= SimdLevel::kAvx512) return traffic_avx512(p, g, m, v, lowp, lo, hi);
 #endif
   traffic_default(p, g, m, v, lowp, lo, hi);
 }

@@ -41,6 +41,22 @@ static State make_state(size_t n, unsigned seed, Dtype gdt) {
   return s;
 }
 
+// Bit-equal, or NaN on both sides: which NaN's payload an operation passes on (when both operands are NaN)
+// is up to the compiler's operand order, in the reference as in the SIMD code.
+static bool same_f32(const std::vector<float>& x, const std::vector<float>& y) {
+  if (x.size() != y.size()) return false;
+  for (size_t i = 0; i < x.size(); ++i)
+    if (std::memcmp(&x[i], &y[i], 4) != 0 && !(std::isnan(x[i]) && std::isnan(y[i]))) return false;
+  return true;
+}
+
+static bool same_16(const std::vector<uint16_t>& x, const std::vector<uint16_t>& y, uint16_t inf) {
+  if (x.size() != y.size()) return false;
+  for (size_t i = 0; i < x.size(); ++i)
+    if (x[i] != y[i] && !((x[i] & 0x7fff) > inf && (y[i] & 0x7fff) > inf)) return false;
+  return true;
+}
+
 static AdamArgs args_for(State& s, size_t n, Dtype gdt, bool lowp, Dtype ldt) {
   AdamArgs a;
   a.param = s.p.data() + 1;
@@ -58,7 +74,7 @@ static AdamArgs args_for(State& s, size_t n, Dtype gdt, bool lowp, Dtype ldt) {
 
 int main() {
   SimdLevel hw = detected_simd();
-  for (SimdLevel level : {SimdLevel::kAvx2, SimdLevel::kAvx512}) {
+  for (SimdLevel level : {SimdLevel::kAvx2, SimdLevel::kAvx512, SimdLevel::kAvx512Bf16}) {
     if (static_cast<int>(level) > static_cast<int>(hw)) {
       std::printf("skip %s: not supported by this CPU\n", simd_name(level));
       continue;
@@ -81,11 +97,27 @@ int main() {
         }
       }
     }
-    // bf16 moments, both roundings: every SIMD path equals the scalar reference bit for bit.
-    for (size_t n : {1ul, 17ul, 100003ul}) {
+    // bf16 moments, both roundings, every copy mode: every SIMD path equals the scalar reference bit for bit.
+    // The sizes cover the two-vector loop (see [Note: bf16 pairs by word permutes]), one more vector, and
+    // the scalar tail. With `special`, the gradients hold NaN, inf, subnormals and values whose squares
+    // overflow, and nothing checks them first: NaN moments and near-overflow roundings go through the
+    // same conversions.
+    for (size_t n : {1ul, 17ul, 33ul, 49ul, 100003ul}) {
+      for (int cfg = 0; cfg < 6; ++cfg) {
+      const int mode = cfg % 3;  // no copy, bf16 copy, fp16 copy
+      const bool special = cfg >= 3;
       for (Rounding rnd : {Rounding::kNearest, Rounding::kStochastic}) {
         for (Dtype gdt : {Dtype::kF32, Dtype::kBF16}) {
           State a = make_state(n, static_cast<unsigned>(n) + 7, gdt);
+          if (special) {
+            const float odd[] = {std::nanf(""), -std::nanf(""), INFINITY, -INFINITY, 1e-40f, -3e-39f, 3e38f,
+                                 -2e19f, 1.5e-45f, 0.0f, -0.0f};
+            for (size_t i = 0; i <= n; i += 3) {
+              a.g32[i] = odd[(i / 3) % (sizeof odd / sizeof odd[0])];
+              a.g16[i] = f32_to_bf16(a.g32[i]);
+              if (i % 2) a.m[i] = odd[(i / 2) % (sizeof odd / sizeof odd[0])];
+            }
+          }
           std::vector<uint16_t> am(n + 1), av(n + 1);
           for (size_t i = 0; i <= n; ++i) {
             am[i] = f32_to_bf16(a.m[i]);
@@ -93,7 +125,9 @@ int main() {
           }
           State b = a;
           std::vector<uint16_t> bm = am, bv = av;
-          AdamArgs x = args_for(a, n, gdt, true, Dtype::kBF16), y = args_for(b, n, gdt, true, Dtype::kBF16);
+          const Dtype ldt = mode == 2 ? Dtype::kF16 : Dtype::kBF16;
+          AdamArgs x = args_for(a, n, gdt, mode > 0, ldt), y = args_for(b, n, gdt, mode > 0, ldt);
+          x.check_finite = y.check_finite = !special;
           x.exp_avg = am.data() + 1, x.exp_avg_sq = av.data() + 1;
           y.exp_avg = bm.data() + 1, y.exp_avg_sq = bv.data() + 1;
           x.moment_dtype = y.moment_dtype = Dtype::kBF16;
@@ -104,8 +138,14 @@ int main() {
             CHECK(!adam_step(x, level));
             CHECK(!adam_step(y, SimdLevel::kScalar));
           }
-          CHECK(a.p == b.p && am == bm && av == bv && a.out == b.out);
+          if (!special) {
+            CHECK(a.p == b.p && am == bm && av == bv && a.out == b.out);
+          } else {
+            CHECK(same_f32(a.p, b.p) && same_16(am, bm, 0x7f80) && same_16(av, bv, 0x7f80));
+            CHECK(same_16(a.out, b.out, mode == 2 ? 0x7c00 : 0x7f80));
+          }
         }
+      }
       }
     }
     // A NaN deep inside a large gradient: nothing may be written.
@@ -120,6 +160,13 @@ int main() {
     CHECK(s.out == saved.out);
     std::printf("%s: %s\n", simd_name(level), g_failures == before ? "ok" : "FAILED");
   }
+  // The moments' nearest rounding (as VCVTNE2PS2BF16): subnormals to zero of their sign, NaN quieted with its
+  // payload's top, ties to even, and no subnormal flush for the parameter copy's rounding (f32_to_bf16).
+  CHECK(f32_to_bf16_flush(bits_f32(0x00400000u)) == 0x0000 && f32_to_bf16_flush(bits_f32(0x80000001u)) == 0x8000);
+  CHECK(f32_to_bf16(bits_f32(0x00400000u)) == 0x0040);
+  CHECK(f32_to_bf16_flush(bits_f32(0x7f810000u)) == 0x7fc1 && f32_to_bf16_flush(bits_f32(0xffc00001u)) == 0xffc0);
+  CHECK(f32_to_bf16_flush(bits_f32(0x3f808000u)) == 0x3f80 && f32_to_bf16_flush(bits_f32(0x3f818000u)) == 0x3f82);
+  CHECK(f32_to_bf16_flush(bits_f32(0x00800000u)) == 0x0080 && f32_to_bf16_flush(bits_f32(0x7f7fffffu)) == 0x7f80);
   // Stochastic rounding is unbiased: x = 1 + 2^-10 lies 1/8 of the way from bf16 1.0 to the next value
   // (1 + 2^-7), so about 1/8 of the hashed indices round it up.
   {

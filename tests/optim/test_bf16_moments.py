@@ -10,7 +10,7 @@ from infinity._native_loader import native
 from infinity.optim import cpu_adam_step
 from infinity.swap.state import bf16_stochastic, moment_bits
 
-LEVELS = ["scalar", "avx2", "avx512"]
+LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 
 pytestmark = pytest.mark.skipif(native is None, reason="bf16 moments need the native extension")
 
@@ -32,9 +32,10 @@ def _reference(p, g, m, v, *, step, lr, betas, eps, wd, rounding, seed):
     v32.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
     bc1, bc2 = 1 - betas[0] ** step, 1 - betas[1] ** step
     p.addcdiv_(m32, (v32.sqrt() * (1 / math.sqrt(bc2))).add_(eps), value=-lr / bc1)
-    if rounding == "nearest":
-        m.copy_(m32)
-        v.copy_(v32)
+    if rounding == "nearest":  # torch's rounding, after subnormals go to zero of their sign
+        tiny = torch.finfo(torch.float32).tiny
+        m.copy_(torch.where(m32.abs() < tiny, m32 * 0.0, m32))
+        v.copy_(torch.where(v32.abs() < tiny, v32 * 0.0, v32))
     else:
         m.copy_(bf16_stochastic(m32, seed, 0))
         v.copy_(bf16_stochastic(v32, seed, 16))
@@ -98,6 +99,20 @@ def test_every_simd_path_equals_scalar_bit_for_bit(simd, rounding, monkeypatch):
                           weight_decay=0.1, out_lowp=out, moment_rounding=rounding, moment_seed=step)
         runs.append([_bits(t) for t in (p, m, v, out)])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_nearest_moments_flush_subnormals_on_every_path(simd):
+    # [Note: bf16 moments round as VCVTNE2PS2BF16 does] in native/cpu/lowp.hpp: every code path stores a
+    # subnormal moment as zero of its sign (torch's .to(bfloat16) would keep it), a normal one to nearest even.
+    n = 70  # two-vector loop, a single vector and the scalar tail on every SIMD width
+    sub = torch.tensor([1e-39, -2e-39, 5e-40, -1e-39] * 17 + [1e-39, -1e-39]).bfloat16()
+    assert (sub.float().abs() < torch.finfo(torch.float32).tiny).all() and (sub != 0).all()
+    p = torch.zeros(n)
+    m, v = sub.clone(), torch.full((n,), 1.0).bfloat16()
+    cpu_adam_step(p, torch.zeros(n), m, v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                  moment_rounding="nearest")
+    assert torch.equal(_bits(m), _bits(sub.float().mul(0.0).bfloat16())), "zero of the moment's sign"
+    assert torch.equal(_bits(v), _bits(torch.full((n,), 0.999).bfloat16()))
 
 
 def test_stochastic_bits_depend_on_seed_and_index_only():

@@ -9,7 +9,7 @@ import torch
 from infinity._native_loader import native
 from infinity.optim import CPUAdam, cpu_adam_step
 
-LEVELS = ["scalar", "avx2", "avx512"]
+LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 
 
 def _supported(level):
