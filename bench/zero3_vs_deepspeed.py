@@ -2,6 +2,7 @@
 
     python bench/zero3_vs_deepspeed.py --nvme-path /var/tmp/z3 --rounds 3
     python bench/zero3_vs_deepspeed.py --nvme-path /var/tmp/z3 --gas 4     # gradient accumulation 4
+    python bench/zero3_vs_deepspeed.py --nvme-path /var/tmp/z3 --bf16      # bf16 compute, fp32 master
 
 The model is 16 x Linear(2048, 2048) (67.1M fp32 parameters) trained on a
 fixed random regression batch with a DeepSpeed-style config: 5 parameter
@@ -33,10 +34,11 @@ import time
 LAYERS, DIM = 16, 2048
 
 
-def config(nvme: str, gas: int) -> dict:
+def config(nvme: str, gas: int, bf16: bool = False) -> dict:
     block = DIM * DIM
     return {
         "train_micro_batch_size_per_gpu": 8,
+        "bf16": {"enabled": bf16},
         "gradient_accumulation_steps": gas,
         "steps_per_print": 1 << 30,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
@@ -62,7 +64,7 @@ def _proc_io() -> tuple[int, int]:
     return int(kv["read_bytes"]), int(kv["write_bytes"])
 
 
-def train(side: str, nvme: str, steps: int, gas: int) -> dict:
+def train(side: str, nvme: str, steps: int, gas: int, bf16: bool = False) -> dict:
     """The training script, written as DeepSpeedExamples write theirs; only the import differs by side."""
     import torch
 
@@ -76,7 +78,7 @@ def train(side: str, nvme: str, steps: int, gas: int) -> dict:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg = config(nvme, gas)
+    cfg = config(nvme, gas, bf16)
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = torch.nn.Sequential(*(torch.nn.Linear(DIM, DIM) for _ in range(LAYERS)))
@@ -84,13 +86,15 @@ def train(side: str, nvme: str, steps: int, gas: int) -> dict:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(8, DIM, generator=gen)
     y = torch.randn(8, DIM, generator=gen) * 0.1
+    if bf16:
+        x = x.to(torch.bfloat16)  # as DeepSpeed's bf16 examples feed their batches
     numel = LAYERS * (DIM * DIM + DIM)
     times, io, counters, loss = [], [], [], None
     for _ in range(steps):
         r0, w0 = _proc_io()
         t0 = time.perf_counter()
         for _ in range(gas):
-            loss = torch.nn.functional.mse_loss(engine(x), y)
+            loss = torch.nn.functional.mse_loss(engine(x).float(), y)
             engine.backward(loss)
             engine.step()
         times.append(time.perf_counter() - t0)
@@ -100,18 +104,18 @@ def train(side: str, nvme: str, steps: int, gas: int) -> dict:
         if rep is not None:
             counters.append({"param_read": rep.param_read_bytes / numel, "opt_read": rep.optimizer_read_bytes / numel,
                              "opt_write": rep.optimizer_write_bytes / numel, "param_write": rep.param_write_bytes / numel})
-    out = {"side": side, "numel": numel, "gas": gas, "step_s": times, "proc_io_b_per_param": io,
+    out = {"side": side, "numel": numel, "gas": gas, "bf16": bf16, "step_s": times, "proc_io_b_per_param": io,
            "final_loss": float(loss.item()), "counters_b_per_param": counters}
     if hasattr(engine, "close"):
         engine.close()
     return out
 
 
-def _side(side: str, nvme: str, steps: int, gas: int) -> dict:
+def _side(side: str, nvme: str, steps: int, gas: int, bf16: bool) -> dict:
     d = tempfile.mkdtemp(prefix=f"{side}-", dir=nvme)
     try:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--nvme-path", d, "--steps", str(steps),
-               "--gas", str(gas)]
+               "--gas", str(gas)] + (["--bf16"] if bf16 else [])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
@@ -132,10 +136,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run; the first is warm-up")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gas", type=int, default=1, help="gradient accumulation steps per optimizer step")
+    p.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 master weights and moments)")
     p.add_argument("--worker", choices=("infinity", "deepspeed"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(train(args.worker, args.nvme_path, args.steps, args.gas)))
+        print(json.dumps(train(args.worker, args.nvme_path, args.steps, args.gas, args.bf16)))
         return 0
     os.makedirs(args.nvme_path, exist_ok=True)
     sides = ["infinity"] + (["deepspeed"] if _have_deepspeed() else [])
@@ -144,7 +149,7 @@ def main(argv=None) -> int:
     runs = {s: [] for s in sides}
     for r in range(args.rounds):
         for s in (sides if r % 2 == 0 else sides[::-1]):
-            runs[s].append(_side(s, args.nvme_path, args.steps, args.gas))
+            runs[s].append(_side(s, args.nvme_path, args.steps, args.gas, args.bf16))
     summary = {}
     for s, rs in runs.items():
         steady = [statistics.median(r["step_s"][1:]) for r in rs]
