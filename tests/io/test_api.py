@@ -46,6 +46,41 @@ def test_aligned_empty(nbytes, alignment):
         assert int(t.sum()) == 7 * nbytes
 
 
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+def _smaps_field(addr: int, field: str) -> int:
+    """`field` of the /proc/self/smaps mapping that holds `addr`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == field + ":":
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for {addr:#x}")
+
+
+def test_large_aligned_buffers_ask_for_huge_pages(needs_native):
+    # [Note: pool buffers on huge pages] in native/bindings.cpp: O_DIRECT pins one 2 MiB page per 1 MiB request
+    # instead of 256 small ones. Whether the kernel then has a free huge page is its business; that the
+    # buffer is 2 MiB aligned and eligible is ours.
+    if _thp_mode() not in ("madvise", "always"):
+        pytest.skip(f"transparent huge pages are {_thp_mode()} on this kernel")
+    big = needs_native.AlignedBuffer(6 << 20, 4096)
+    assert big.huge_pages and big.address % (2 << 20) == 0
+    assert _smaps_field(big.address, "THPeligible") == 1
+    small = needs_native.AlignedBuffer(1 << 20, 4096)
+    assert not small.huge_pages and small.address % 4096 == 0
+
+
 def test_aligned_empty_outlives_its_name():
     t = aligned_empty(1 << 20, pin=False)[4096:8192]
     import gc
