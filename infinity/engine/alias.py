@@ -58,7 +58,6 @@ class _SliceFuture:
     def __init__(self, reader, sid, fut, view, expected, path):
         self._reader, self._sid, self._fut, self._view = reader, sid, fut, view
         self._expected, self._path = expected, path
-        self._nbytes = view.numel() * view.element_size()
 
     def wait(self):
         try:

@@ -54,19 +54,12 @@ struct V {
   template <int k>
   static I isrl(I a) { return _mm512_srli_epi32(a, k); }
   static F load_bf16(const uint16_t* p) { return load_grad<Dtype::kBF16>(p, 0); }
-  // Stores the bf16 bits r (one per 32-bit lane, <= 0xffff), with 0xffff for the lanes where x is NaN.
-  static void store_bf16_bits(uint16_t* out, F x, __m512i r) {
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+  // One vector of bf16 from 32-bit lanes whose high halves are the bf16 bits (the *_unshifted forms below).
+  static void store_high_half(uint16_t* out, __m512i r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
   }
-  static void store_bf16(uint16_t* out, F x) {
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    store_bf16_bits(out, x, _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16));
-  }
-  static void store_bf16_stochastic(uint16_t* out, F x, I rnd) {
-    store_bf16_bits(out, x, _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), rnd), 16));
-  }
+  static void store_bf16(uint16_t* out, F x) { store_high_half(out, rne_unshifted(x)); }
+  static void store_bf16_stochastic(uint16_t* out, F x, I rnd) { store_high_half(out, sr_unshifted(x, rnd)); }
   static void store_f16(uint16_t* out, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -105,9 +98,9 @@ struct V {
     return nan_to_ones(x, _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))));
   }
   static void store_bf16x2(uint16_t* out, F a, F b) { store_high_halves(out, rne_unshifted(a), rne_unshifted(b)); }
+  static __m512i sr_unshifted(F x, I rnd) { return nan_to_ones(x, _mm512_add_epi32(_mm512_castps_si512(x), rnd)); }
   static void store_bf16x2_stochastic(uint16_t* out, F a, F b, I ra, I rb) {
-    store_high_halves(out, nan_to_ones(a, _mm512_add_epi32(_mm512_castps_si512(a), ra)),
-                      nan_to_ones(b, _mm512_add_epi32(_mm512_castps_si512(b), rb)));
+    store_high_halves(out, sr_unshifted(a, ra), sr_unshifted(b, rb));
   }
   // The moments' rounding ([Note: bf16 moments round as VCVTNE2PS2BF16 does] in lowp.hpp): the instruction
   // itself where the CPU has it (adam_avx512bf16.cpp), else the same arithmetic on integers.
@@ -119,9 +112,7 @@ struct V {
     return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
                                  _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
   }
-  static void store_bf16_flush(uint16_t* out, F x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(flush_unshifted(x), 16)));
-  }
+  static void store_bf16_flush(uint16_t* out, F x) { store_high_half(out, flush_unshifted(x)); }
   static void store_bf16x2_flush(uint16_t* out, F a, F b) {
 #if INFINITY_AVX512_BF16
     _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
