@@ -241,7 +241,7 @@ def run(args) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
         native.set_num_threads(args.threads)
-    levels = [lv for lv in LEVELS if LEVELS.index(lv) >= LEVELS.index(native.cpu_simd_level())]
+    levels = [lv for lv in LEVELS if LEVELS.index(lv) >= LEVELS.index(native.simd_level())]
     if not args.json:
         print(f"# bench adam: sizes={sizes} repeats={args.repeats} threads: ours={native.get_num_threads()} "
               f"torch={torch.get_num_threads()} simd={levels} torch={torch.__version__}", flush=True)

@@ -81,28 +81,53 @@ struct V {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
                      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
   }
-  static void store_bf16x2_flush(uint16_t* out, F a, F b) {
-    store_bf16_flush(out, a);
-    store_bf16_flush(out + kWidth, b);
-  }
   static void store_bf16_stochastic(uint16_t* out, F x, I rnd) {
     store_bf16_bits(out, x, _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), rnd), 16));
   }
   static void store_f16(uint16_t* out, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
-  // Two vectors' worth at once (the kernel's unrolled loop); AVX2 has no word permute, so one at a time.
+  // Two vectors' worth at once (the kernel's unrolled loop): 16 values per load, pack and store. The
+  // 128-bit lanes of unpack and pack interleave quarters, so one VPERMQ (in_order) puts them in order.
+  static __m256i in_order(__m256i x) { return _mm256_permute4x64_epi64(x, 0xd8); }  // quarters 0, 2, 1, 3
   static void load_bf16x2(const uint16_t* p, F& a, F& b) {
-    a = load_bf16(p);
-    b = load_bf16(p + kWidth);
+    const __m256i x = in_order(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x));  // bf16 bits to the high halves
+    b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x));
+  }
+  // 0xffff in each 16-bit word of the values of a, then b, that are NaN (packed as pack_words packs).
+  static __m256i nan_words(F a, F b) {
+    return _mm256_packs_epi32(_mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)),
+                              _mm256_castps_si256(_mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+  }
+  static __m256i pack_words(__m256i a, __m256i b) { return _mm256_packus_epi32(a, b); }  // each lane <= 0xffff
+  static void store_words(uint16_t* out, __m256i w) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), in_order(w));
+  }
+  // Nearest even, shifted down: the bf16 bits of a non-NaN u.
+  static __m256i rne_bits(__m256i u) {
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
   }
   static void store_bf16x2(uint16_t* out, F a, F b) {
-    store_bf16(out, a);
-    store_bf16(out + kWidth, b);
+    const __m256i r = pack_words(rne_bits(_mm256_castps_si256(a)), rne_bits(_mm256_castps_si256(b)));
+    store_words(out, _mm256_or_si256(r, nan_words(a, b)));  // NaN: 0xffff, as store_bf16
   }
   static void store_bf16x2_stochastic(uint16_t* out, F a, F b, I ra, I rb) {
-    store_bf16_stochastic(out, a, ra);
-    store_bf16_stochastic(out + kWidth, b, rb);
+    const __m256i r = pack_words(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(a), ra), 16),
+                                 _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(b), rb), 16));
+    store_words(out, _mm256_or_si256(r, nan_words(a, b)));
+  }
+  // store_bf16_flush for 16 values: the rounding in 32-bit lanes, the flush and the NaN fix-up on the
+  // packed 16-bit words (the high halves hold sign, exponent and the NaN's top bits).
+  static void store_bf16x2_flush(uint16_t* out, F a, F b) {
+    const __m256i ua = _mm256_castps_si256(a), ub = _mm256_castps_si256(b);
+    __m256i r = pack_words(rne_bits(ua), rne_bits(ub));
+    const __m256i hi = pack_words(_mm256_srli_epi32(ua, 16), _mm256_srli_epi32(ub, 16));
+    const __m256i tiny = _mm256_cmpeq_epi16(_mm256_and_si256(hi, _mm256_set1_epi16(0x7f80)), _mm256_setzero_si256());
+    r = _mm256_blendv_epi8(r, _mm256_and_si256(hi, _mm256_set1_epi16(static_cast<short>(0x8000))), tiny);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi16(0x40)), nan_words(a, b));
+    store_words(out, r);
   }
 };
 
