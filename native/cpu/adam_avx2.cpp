@@ -64,16 +64,16 @@ struct V {
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
   }
-  static void store_bf16(uint16_t* out, F x) {
-    __m256i u = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    store_bf16_bits(out, x, _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16));
+  // Nearest even, shifted down: the bf16 bits of a non-NaN u.
+  static __m256i rne_bits(__m256i u) {
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
   }
+  static void store_bf16(uint16_t* out, F x) { store_bf16_bits(out, x, rne_bits(_mm256_castps_si256(x))); }
   // The moments' rounding ([Note: bf16 moments round as VCVTNE2PS2BF16 does] in lowp.hpp).
   static void store_bf16_flush(uint16_t* out, F x) {
     const __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
-    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i r = rne_bits(u);
     const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f800000)), _mm256_setzero_si256());
     r = _mm256_blendv_epi8(r, _mm256_and_si256(hi, _mm256_set1_epi32(0x8000)), tiny);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
@@ -103,11 +103,6 @@ struct V {
   static __m256i pack_words(__m256i a, __m256i b) { return _mm256_packus_epi32(a, b); }  // each lane <= 0xffff
   static void store_words(uint16_t* out, __m256i w) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), in_order(w));
-  }
-  // Nearest even, shifted down: the bf16 bits of a non-NaN u.
-  static __m256i rne_bits(__m256i u) {
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
   }
   static void store_bf16x2(uint16_t* out, F a, F b) {
     const __m256i r = pack_words(rne_bits(_mm256_castps_si256(a)), rne_bits(_mm256_castps_si256(b)));
