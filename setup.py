@@ -130,6 +130,7 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy"],
     extras_require={"test": ["pytest", "hypothesis", "safetensors", "zarr>=3"], "plot": ["matplotlib"],
+                    "hf": ["transformers>=4.46", "peft>=0.13", "datasets>=3", "safetensors", "tqdm"],
                     "zarr": ["zarr>=3"]},
     entry_points={"console_scripts": ["infinity=infinity.tools.cli:main"]},
     zip_safe=False,

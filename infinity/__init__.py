@@ -13,7 +13,7 @@ _warn_if_missing()
 from infinity import io  # noqa: E402
 from infinity.config import load_config  # noqa: E402
 from infinity.engine import RankFailure, gathered_parameters, initialize, zero_init  # noqa: E402
-from infinity.errors import ConfigError, SwapCorruptionError  # noqa: E402
+from infinity.errors import ConfigError, PartitionedStateError, SwapCorruptionError  # noqa: E402
 
 __all__ = ["io", "load_config", "zero_init", "initialize", "gathered_parameters", "ConfigError",
-           "SwapCorruptionError", "RankFailure", "__version__"]
+           "SwapCorruptionError", "PartitionedStateError", "RankFailure", "__version__"]

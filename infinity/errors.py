@@ -25,3 +25,9 @@ class SwapCorruptionError(OSError):
         self.partition = partition
         self.expected = expected
         self.actual = actual
+
+
+class PartitionedStateError(RuntimeError):
+    """A route that reads every parameter at once (`model.state_dict()`, and through it Hugging Face's and peft's
+    `save_pretrained`, `torch.save(model.state_dict())`) met a partitioned parameter whose full value does not
+    exist here: it would have returned its placeholder (NaN). The message names `engine.save_pretrained`."""

@@ -12,8 +12,8 @@ FIELDS = {"step", "loss", "step_s", "io_read_bytes", "io_write_bytes", "exposed_
           "peak_rss_bytes", "comm_s", "tokens_per_s"}
 
 
-def train(*args, timeout=300):
-    return subprocess.run(INFINITY + ["train", *args], capture_output=True, text=True, timeout=timeout)
+def train(*args, timeout=300, cwd=None):
+    return subprocess.run(INFINITY + ["train", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def read_metrics(run_dir):
@@ -68,7 +68,14 @@ def test_train_saves_and_resumes_bit_exactly(tmp_path, disk_dir):
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "gpt-huge"], "--model 'gpt-huge': not a preset (gpt-tiny, gpt-small, gpt-25m, gpt-57m, gpt-125m, "
-                              "gpt-100m, gpt-350m, gpt-1b, gpt-2b, gpt-4b, gpt-6b) nor an existing config.json file"),
+                              "gpt-100m, gpt-350m, gpt-1b, gpt-2b, gpt-4b, gpt-6b), a Hugging Face model directory, nor a "
+                              "config.json file"),
+    (["--lr", "-1e-3"], "--lr must be a finite number > 0, got -0.001"),
+    (["--merge-lora"], "--merge-lora merges the adapter that --lora trains, and there is no --lora"),
+    (["--data", "x.txt"], "--data, --eval-data, --tokenizer and --lora need a Hugging Face model directory"),
+    (["--eval-fraction", "0.1"], "--eval-fraction holds out part of --data, and there is no --data"),
+    (["--eval-fraction", "1.5", "--data", "x"], "--eval-fraction must be in (0, 1), got 1.5"),
+    (["--micro-batch", "0"], "--micro-batch must be >= 1, got 0"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
     (["--memory-budget", "1MiB"], "--memory-budget 1.00 MiB: no placement of gpt-small"),
@@ -80,7 +87,7 @@ def test_train_saves_and_resumes_bit_exactly(tmp_path, disk_dir):
     (["--save-every", "-1", "--save-dir", "x"], "--save-every must be >= 0, got -1"),
 ])
 def test_train_bad_input_is_one_clear_line(tmp_path, args, message):
-    out = train(*args, "--out", str(tmp_path / "run"))
+    out = train(*args, "--out", str(tmp_path / "run"), cwd=tmp_path)
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
 
@@ -106,3 +113,18 @@ def test_without_matplotlib_train_says_there_is_no_plot(tmp_path, monkeypatch, c
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "no plot (matplotlib is not installed: pip install matplotlib)" in last and "metrics.png" not in last
     assert not (tmp_path / "metrics.png").exists() and (tmp_path / "metrics.jsonl").exists()
+
+
+def test_out_naming_a_file_says_so(tmp_path):
+    (tmp_path / "f").write_text("")
+    out = train("--out", str(tmp_path / "f"))
+    assert out.returncode == 2
+    assert f"--out {tmp_path / 'f'} is a file; --out names the run directory" in out.stderr
+
+
+def test_seq_beyond_the_model_says_what_it_did(tmp_path, disk_dir):
+    out = train("--model", "gpt-tiny", "--steps", "1", "--seq", "100000", "--out", str(tmp_path / "run"),
+                "--nvme-path", str(disk_dir))
+    assert out.returncode == 0, out.stderr
+    assert "--seq 100000 is beyond the model's 64 positions; using --seq 64" in out.stdout
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["seq"] == 64

@@ -385,6 +385,23 @@ class Engine:
 
         return save_16bit(self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
 
+    def save_pretrained(self, save_directory, *, tokenizer=None, max_shard_size="5GB", merge_lora: bool = False,
+                        adapter_name: str = "default") -> list[str]:
+        """A Hugging Face directory that `from_pretrained` loads: config, generation config, safetensors shards
+        of at most max_shard_size and, when given, the tokenizer's files. A peft model writes its adapter, or
+        with merge_lora the base model with the adapter merged as peft's merge_and_unload() does. Values are in
+        the compute dtype (fp32 without bf16/fp16: the master weights exactly), gathered one parameter at a time,
+        so the whole model never exists in memory ([Note: streamed save_pretrained]). Call it on every rank;
+        returns the names of the files written."""
+        self._check_open()
+        if self.gradients_pending():
+            raise RuntimeError("save_pretrained between backward() and step(): the weights are about to change; "
+                               "call it after step()")
+        from infinity.checkpoint.save_pretrained import save_pretrained
+
+        return save_pretrained(self, save_directory, tokenizer=tokenizer, max_shard_size=max_shard_size,
+                               merge_lora=merge_lora, adapter_name=adapter_name)
+
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The whole state_dict in the compute dtype, on the host: on rank 0, and an empty dict on the others
         (DeepSpeed's engine._zero3_consolidated_16bit_state_dict, which Hugging Face Accelerate calls).
@@ -582,8 +599,10 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
             opt_swap.close()
         raise
     store.frozen = True
+    store.placeholders_to_compute_dtype()
     hooks = ParamHooks(store)
     hooks.install(model)
+    hooks.guard_state_dict(model)
     try:
         engine = Engine(model, cfg, store, optimizer, hooks, lr_scheduler, batch)
     except BaseException:  # e.g. a scheduler that does not fit the groups: nothing of this setup may stay behind

@@ -16,6 +16,19 @@ unpacks it, gather the parameter again and rebuild the view. The gathered
 tensor lives only while that backward node runs. This is also what makes
 tied weights, parameters used several times, and activation checkpointing
 work without special cases: whatever backward needs, it asks for.
+
+[Note: state_dict guard]
+After initialize a partitioned parameter's `.data` is its placeholder (NaN)
+between uses, so `model.state_dict()` would hand NaN to whoever asked, and
+Hugging Face's `save_pretrained`, peft's `save_pretrained` and
+`get_peft_model_state_dict` and `torch.save(model.state_dict())` would
+write it to disk without a word. Each module that owns partitioned
+parameters gets a state_dict pre-hook that raises instead, naming the routes
+that give the true values. Inside `gathered_parameters(model)` the values
+exist and state_dict works; `keep_vars=True` returns the Parameter objects
+themselves (what the engine's own savers walk), so it passes. The guard is
+not removed by `engine.close()`: the placeholders stay, and the values are
+gone then.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from infinity.engine.params import ParamStatus, ParamStore, managed
+from infinity.errors import PartitionedStateError
 
 
 class _SavedParam:
@@ -50,6 +64,12 @@ class ParamHooks:
             if managed(p) is not None and p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self._handles.append(p.register_post_accumulate_grad_hook(self.store.on_grad))
+
+    def guard_state_dict(self, model: torch.nn.Module) -> None:
+        """See [Note: state_dict guard]. Stays installed after remove()."""
+        for module in model.modules():
+            if any(managed(p) is not None and not managed(p).persistent for p in module.parameters(recurse=False)):
+                module.register_state_dict_pre_hook(_refuse_placeholders)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -93,3 +113,20 @@ class ParamHooks:
         if saved.size is None:
             return full
         return full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+def _refuse_placeholders(module, prefix, keep_vars) -> None:
+    """A state_dict pre-hook: see [Note: state_dict guard]."""
+    if keep_vars:
+        return
+    for p in module.parameters(recurse=False):
+        mp = managed(p)
+        if mp is not None and mp.status is ParamStatus.SHARDED:
+            closed = not mp.store.swap_open()
+            raise PartitionedStateError(
+                f"state_dict(): {mp.name} is partitioned over ranks and offloaded, so this module holds a "
+                "placeholder (NaN), not its value" + (", and the engine is closed, so the values are gone; save "
+                "before engine.close()" if closed else "") + ". To save the model use engine.save_pretrained(dir"
+                "[, tokenizer=...]) (a Hugging Face directory, streamed; for peft models the adapter, or "
+                "merge_lora=True); for a dict on rank 0 use engine.consolidated_16bit_state_dict(); to read "
+                "values in place use `with infinity.gathered_parameters(model): ...`")

@@ -260,6 +260,18 @@ class ParamStore:
         mp.released()
         self._placeholders[mp.placeholder.untyped_storage().data_ptr()] = mp
 
+    def placeholders_to_compute_dtype(self) -> None:
+        """At initialize: every SHARDED parameter's placeholder takes the compute dtype, the dtype its gathered
+        value has from now on. Code that reads `p.dtype` between uses sees what forward will see: peft's LoRA
+        casts its input to the adapter weight's dtype before the adapter's own forward gathers it (see
+        [Note: placeholder])."""
+        for mp in self.params:
+            if mp.status is ParamStatus.SHARDED and mp.placeholder is not None and mp.placeholder.dtype != self.dtype:
+                self._placeholders.pop(mp.placeholder.untyped_storage().data_ptr(), None)
+                mp.placeholder = placeholder(mp.shape, self.dtype, mp.param.device)
+                mp.param.data = mp.placeholder
+                self._placeholders[mp.placeholder.untyped_storage().data_ptr()] = mp
+
     def _gather_into(self, mp: ManagedParam, full: torch.Tensor) -> None:
         self._placeholders.pop(mp.placeholder.untyped_storage().data_ptr(), None)
         mp.gathered(full)

@@ -12,7 +12,7 @@ from infinity.models.gpt import GPT, PRESETS
 
 
 def build_model(name: str):
-    """(model, vocab, seq, forward) for a preset or a Hugging Face config.json.
+    """(model, vocab, seq, forward) for a preset, a Hugging Face config.json or the directory that holds one.
 
     `forward(model_or_engine, x, y)` returns the loss: `m(x, y)` for the GPT, `m(input_ids=x, labels=x).loss`
     for a Hugging Face model. The model is built on the current default device (meta, or under zero_init).
@@ -22,6 +22,8 @@ def build_model(name: str):
         model = GPT(cfg)
         return model, cfg.vocab, cfg.seq, lambda m, x, y: m(x, y)
     path = Path(name)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
     if path.suffix == ".json" and path.is_file():
         try:
             import transformers

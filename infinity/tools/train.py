@@ -1,12 +1,17 @@
-"""`infinity train`: train a decoder-only transformer with the ZeRO engine, on a built-in dataset.
+"""`infinity train`: train or fine-tune a model with the ZeRO engine (the main job).
 
-The data is English-like text generated from a fixed seed by a small
-grammar (`infinity.data`), one token per byte: the same bytes everywhere,
-with real structure, so the loss really falls.
+`--model` is a preset of the repo's GPT, a Hugging Face model directory (its
+weights streamed into partitions, its tokenizer beside them) or a
+config.json (trained from scratch). `--data` is your text
+(`infinity.finetune.data`); without it the run trains on English-like text
+generated from a fixed seed (`infinity.data`): one token per byte for the
+presets and a tokenizer-less config, the model's tokenizer otherwise.
+`--lora` trains peft adapters on the frozen, offloaded base weights.
 
-Writes `metrics.jsonl` (one object per optimizer step) and `metrics.png`
-(loss, and the step time split into compute, exposed I/O and
-communication) into --out.
+Writes `metrics.jsonl` (one object per optimizer step), `metrics.png` (loss,
+eval loss, and the step time split into compute, exposed I/O and
+communication) and, for a Hugging Face model, the trained model as a Hugging
+Face directory (`final/`, and `step-N/` with each checkpoint) into --out.
 """
 
 from __future__ import annotations
@@ -15,24 +20,49 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
-import subprocess
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+_FLOAT = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
 
 def add_arguments(p) -> None:
+    # `--lr -1e-3` is a value, not an option: argparse's own test misses exponents (see _FLOAT).
+    p._negative_number_matcher = _FLOAT
     p.add_argument("--config", default=None,
                    help="swap config (default: the shipped nvme_offload.json: parameters and optimizer on NVMe)")
     p.add_argument("--model", default="gpt-small",
-                   help="a preset (gpt-tiny, gpt-small, gpt-25m, gpt-57m, gpt-100m, gpt-125m, gpt-350m, gpt-1b, gpt-2b, gpt-4b, gpt-6b) or a Hugging Face "
-                        "config.json (no download)")
-    p.add_argument("--steps", type=int, default=60)
+                   help="a preset (gpt-tiny, gpt-small, gpt-25m, gpt-57m, gpt-100m, gpt-125m, gpt-350m, gpt-1b, gpt-2b, "
+                        "gpt-4b, gpt-6b), a Hugging Face model directory (weights and tokenizer are loaded from it) or "
+                        "a config.json (trained from scratch; nothing is downloaded)")
+    p.add_argument("--data", default=None,
+                   help="training text: .txt, .jsonl/.json (text, prompt/completion or chat messages), .parquet, .csv "
+                        "or a datasets directory (default: built-in generated text)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--eval-data", default=None, help="held-out text, in the same formats as --data")
+    p.add_argument("--eval-fraction", type=float, default=None, help="hold out this fraction of --data instead")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (default: only at the end)")
+    p.add_argument("--packing", choices=["auto", "on", "off"], default="auto",
+                   help="pack rows into --seq windows, or pad one row per window (auto: pack plain text, pad "
+                        "prompt/completion and chat)")
+    p.add_argument("--epochs", type=float, default=None,
+                   help="passes over --data (default 1); --steps, when given, wins")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 60, or --epochs over --data)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per rank per forward (default: the config's train_micro_batch_size_per_gpu, or 4)")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-batches per optimizer step (default: the config's gradient_accumulation_steps, or 1)")
+    p.add_argument("--lora", default=None, metavar="r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj",
+                   help="train LoRA adapters (peft) on the frozen base weights; the output is the adapter")
+    p.add_argument("--merge-lora", action="store_true", help="with --lora: write the merged model instead")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's, at most 256)")
     p.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temp dir, removed after)")
-    p.add_argument("--nproc", type=int, default=1, help="ranks to launch through torchrun (gloo on CPU)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks to launch on this machine (gloo on CPU)")
     p.add_argument("--memory-budget", default=None,
                    help="plan the placement and buffers for this much host memory over the baseline (e.g. 8GiB); "
                         "the config then supplies only what the planner does not decide")
@@ -40,6 +70,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's optimizer.params.lr)")
     p.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warmup (default 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=None,
+                   help="without a terminal: a progress line every N steps (default: about 20 lines a run)")
     p.add_argument("--save-dir", default=None, help="write checkpoints (zarr) here: every --save-every steps and at "
                                                     "the end")
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (default: only at the end)")
@@ -47,78 +79,111 @@ def add_arguments(p) -> None:
                                                          "has one), bit-exactly")
 
 
+def _check_args(args) -> None:
+    """Every argument's own range, before anything is read or built."""
+    for name, low in (("steps", 1), ("seq", 1), ("micro_batch", 1), ("grad_accum", 1), ("log_every", 1)):
+        v = getattr(args, name)
+        if v is not None and v < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+    for name in ("warmup", "save_every", "eval_every"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+    if args.epochs is not None and not args.epochs > 0:
+        raise ValueError(f"--epochs must be > 0, got {args.epochs}")
+    if args.eval_fraction is not None and not 0 < args.eval_fraction < 1:
+        raise ValueError(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
+    if args.eval_fraction is not None and args.eval_data:
+        raise ValueError("--eval-data and --eval-fraction both name the eval set; give one")
+    if args.eval_fraction is not None and not args.data:
+        raise ValueError("--eval-fraction holds out part of --data, and there is no --data")
+    if (args.resume or args.save_every) and not args.save_dir:
+        raise ValueError("--resume and --save-every need --save-dir (where the checkpoints are)")
+    if args.merge_lora and not args.lora:
+        raise ValueError("--merge-lora merges the adapter that --lora trains, and there is no --lora")
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a file; --out names the run directory (it is created if missing)")
+
+
 def run(args) -> int:
     if args.config is None:
         from infinity.config.shipped import shipped_config
 
         args.config = str(shipped_config("nvme_offload.json"))
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if args.seq is not None and args.seq < 1:
-        raise ValueError(f"--seq must be >= 1, got {args.seq}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.save_every < 0:
-        raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
-    if (args.resume or args.save_every) and not args.save_dir:
-        raise ValueError("--resume and --save-every need --save-dir (where the checkpoints are)")
+    _check_args(args)
     out = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch(args, out)
+        from infinity.tools.launch import launch
+
+        return launch(args.nproc, [*_without_nproc(sys.argv[1:]), "--out", str(out)])
     own_nvme = args.nvme_path is None
     nvme = args.nvme_path or tempfile.mkdtemp(prefix="infinity-train.", dir=os.environ.get("TMPDIR", "/var/tmp"))
+    previous = signal.signal(signal.SIGTERM, _sigterm) if _main_thread() else None
     try:
         return _train(args, out, nvme)
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if own_nvme:
             shutil.rmtree(nvme, ignore_errors=True)
 
 
-def _launch(args, out: Path) -> int:
-    """Re-run this command under torchrun with --nproc ranks."""
-    argv, skip = [], False
-    for a in sys.argv[1:]:  # the ranks get the same command without --nproc (torchrun's parser trips on it)
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into the same orderly stop as Ctrl-C (swap files removed, one line, exit 143)."""
+
+
+def _sigterm(signum, frame):
+    raise Terminated()
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:  # the ranks get the same command without --nproc
         if skip or a == "--nproc" or a.startswith("--nproc="):
             skip = a == "--nproc"
             continue
-        argv.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "infinity", *argv, "--out", str(out)]
-    return subprocess.call(cmd)
+        out.append(a)
+    return out
 
 
-def _free_port() -> int:
-    from infinity.testing.parity import free_port
+def _with_lr(args, cfg):
+    if args.lr is None:
+        return cfg
+    opt = cfg.optimizer
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(opt, params=dataclasses.replace(opt.params,
+                                                                                                 lr=args.lr)))
 
-    return free_port()
 
-
-def _sized_config(args, nvme: str, largest: int, micro: int):
+def _sized_config(args, nvme: str, largest: int):
     """The swap config, with nvme_path set and buffers no bigger than this model needs."""
-    import dataclasses
-
     from infinity.config import load_config
 
     cfg = load_config(args.config, nvme_path=nvme)
     zero = cfg.zero_optimization
     param = dataclasses.replace(zero.offload_param, buffer_size=min(zero.offload_param.buffer_size, largest))
     zero = dataclasses.replace(zero, offload_param=param, sub_group_size=min(zero.sub_group_size, max(largest, 1)))
-    cfg = dataclasses.replace(cfg, zero_optimization=zero, train_micro_batch_size_per_gpu=micro)
-    return _with_lr(args, cfg)
+    return dataclasses.replace(cfg, zero_optimization=zero)
 
 
-def _with_lr(args, cfg):
-    import dataclasses
+def _batch_sizes(args, cfg) -> tuple[int, int]:
+    micro = args.micro_batch or cfg.train_micro_batch_size_per_gpu or 4
+    accum = args.grad_accum or cfg.gradient_accumulation_steps or 1
+    return micro, accum
 
-    if args.lr is None:
-        return cfg
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
-    opt = cfg.optimizer
-    return dataclasses.replace(cfg, optimizer=dataclasses.replace(opt, params=dataclasses.replace(opt.params,
-                                                                                                 lr=args.lr)))
+
+def _with_batch(cfg, micro: int, accum: int):
+    """The batch keys the run uses, in the config the engine gets (train_batch_size follows from them)."""
+    return dataclasses.replace(cfg, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum,
+                               train_batch_size=None)
 
 
 def _train(args, out: Path, nvme: str) -> int:
@@ -126,119 +191,241 @@ def _train(args, out: Path, nvme: str) -> int:
 
     from infinity.engine import initialize, zero_init
     from infinity.engine.comm import init_distributed
+    from infinity.finetune import model as fmodel
     from infinity.models import build_model
 
+    src = fmodel.resolve(args.model)
+    if src.kind == "preset" and (args.data or args.lora or args.eval_data or args.tokenizer):
+        raise ValueError(f"--model {args.model} is a preset of the repo's GPT, which reads bytes and has no tokenizer; "
+                         "--data, --eval-data, --tokenizer and --lora need a Hugging Face model directory "
+                         "(--model DIR)")
+    if src.kind != "preset":
+        import transformers  # noqa: F401 - imported before zero_init, so from_pretrained streams ([Note: streamed from_pretrained])
     torch.manual_seed(args.seed)
     with torch.device("meta"):
-        meta, vocab, seq, _ = build_model(args.model)
+        meta, vocab, model_seq, _ = build_model(src.directory if src.kind != "preset" else args.model)
     largest = max(p.numel() for p in meta.parameters())
     del meta
-    seq = min(args.seq or seq, seq, 256)
+    seq = _sequence_length(args, model_seq, src)
     from infinity.config import load_config
 
-    micro = load_config(args.config, nvme_path=nvme).train_micro_batch_size_per_gpu or 4
+    micro, accum = _batch_sizes(args, load_config(args.config, nvme_path=nvme))
     planned = None
     if args.memory_budget is not None:
-        from infinity.tools.plan import describe, make_plan
+        from infinity.tools.plan import make_plan
 
         world_env = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        planned, shape, rates = make_plan(model=args.model, memory_budget=args.memory_budget, nvme_path=nvme,
-                                          config=args.config, micro=micro, seq=seq, nproc=world_env)
-        cfg = _with_lr(args, load_config(planned.config))
+        planned = make_plan(model=args.model if src.kind == "preset" else src.directory,
+                            memory_budget=args.memory_budget, nvme_path=nvme, config=args.config, micro=micro,
+                            seq=seq, nproc=world_env)
+        cfg = load_config(planned[0].config)
     else:
-        cfg = _sized_config(args, nvme, largest, micro)
+        cfg = _sized_config(args, nvme, largest)
+    cfg = _with_batch(_with_lr(args, cfg), micro, accum)
     comm = init_distributed(cfg.infinity.comm_timeout_s)
     rank, world = comm.rank, comm.world
     baseline = baseline_rss()
     if planned is not None and rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        print(describe(planned, shape, rates, baseline), flush=True)
-        with open(out / "plan.json", "w") as f:
-            json.dump({"predicted_step_s": planned.predicted_step_s, "predicted_peak_bytes": planned.predicted_peak_bytes,
-                       "peak_phase": planned.peak_phase, "memory": planned.memory, "time": planned.time,
-                       "rates": dataclasses.asdict(rates), "baseline_rss_bytes": baseline,
-                       "memory_budget": planned.config["infinity"]["memory_budget"], "config": planned.config}, f,
-                      indent=2)
+        _write_plan(out, planned, baseline)
+    tokenizer = fmodel.load_tokenizer(src, args.tokenizer) if src.kind != "preset" else None
+    data = _data(args, src, tokenizer, seq, vocab, comm, micro=micro, accum=accum)
+    steps = _steps(args, data)
     torch.manual_seed(args.seed)
     with zero_init(cfg):
-        model, vocab, _, forward = build_model(args.model)
+        if src.kind == "preset":
+            model, _, _, _ = build_model(args.model)
+        else:
+            model = fmodel.build(src)
+    if args.lora:
+        torch.manual_seed(args.seed)
+        model = fmodel.LoraSpec.parse(args.lora).apply(model)
     warmup = args.warmup
     schedule = None if not warmup else (
         lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup)))
     engine = initialize(model, cfg, lr_scheduler=schedule)
+    try:
+        return _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, baseline, nvme)
+    finally:
+        engine.close()
+
+
+def _sequence_length(args, model_seq: int | None, src) -> int:
+    """--seq, or the model's length capped at 256; beyond the model's positions it is cut there, and said."""
+    if args.seq is None:
+        return min(model_seq or 256, 256)
+    if model_seq and args.seq > model_seq:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"--seq {args.seq} is beyond the model's {model_seq} positions; using --seq {model_seq}",
+                  flush=True)
+        return model_seq
+    return args.seq
+
+
+def _write_plan(out: Path, planned, baseline: int) -> None:
+    from infinity.tools.plan import describe
+
+    plan, shape, rates = planned
+    out.mkdir(parents=True, exist_ok=True)
+    print(describe(plan, shape, rates, baseline), flush=True)
+    with open(out / "plan.json", "w") as f:
+        json.dump({"predicted_step_s": plan.predicted_step_s, "predicted_peak_bytes": plan.predicted_peak_bytes,
+                   "peak_phase": plan.peak_phase, "memory": plan.memory, "time": plan.time,
+                   "rates": dataclasses.asdict(rates), "baseline_rss_bytes": baseline,
+                   "memory_budget": plan.config["infinity"]["memory_budget"], "config": plan.config}, f, indent=2)
+
+
+def _data(args, src, tokenizer, seq: int, vocab: int, comm, *, micro: int, accum: int):
+    """The run's batches: the user's text, or the built-in text (as bytes, or through the tokenizer)."""
+    from infinity.finetune import batches
+
+    if tokenizer is None:
+        if args.data:
+            raise ValueError(f"--data needs a tokenizer, and {src.directory} has none; pass --tokenizer DIR")
+        return batches.ByteBatches(vocab=vocab, seq=seq, micro=micro, world=comm.world, accum=accum,
+                                   hf=src.kind != "preset")
+    return batches.TextBatches.build(args, tokenizer, seq=seq, micro=micro, accum=accum, comm=comm)
+
+
+def _steps(args, data) -> int:
+    if args.steps is not None:
+        return args.steps
+    if not data.finite:
+        return 60
+    per_epoch = data.steps_per_epoch
+    if per_epoch < 1:
+        raise ValueError(f"--data {args.data}: {data.windows} windows of --seq {data.seq} make no full step of "
+                         f"{data.per_step} windows (micro batch x ranks x accumulation); give more text or smaller "
+                         "batches")
+    return max(1, int(per_epoch * (args.epochs or 1)))
+
+
+def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, baseline, nvme) -> int:
+    import torch
+
+    from infinity.finetune.progress import Progress
+
+    rank, world = engine.rank, engine.world_size
     numel = sum(mp.numel for mp in engine.store.params)
+    trained = sum(g.numel for g in engine.optimizer.groups)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        print(f"infinity train: {args.model} ({numel / 1e6:.1f}M params), {world} rank(s), batch "
-              f"{micro * world} x {seq}, bf16={cfg.bf16.enabled} fp16={cfg.fp16.enabled}, params on "
+        print(f"infinity train: {args.model}: {src.describe()}, {numel / 1e6:.1f}M params"
+              + (f" ({trained / 1e6:.2f}M trained: LoRA)" if args.lora else "") + f"; data: {data.describe()}; "
+              f"{world} rank(s), batch {micro} x {world} x {accum} (micro x ranks x accumulation) x {seq} tokens, "
+              f"{steps} steps; bf16={engine.config.bf16.enabled} fp16={engine.config.fp16.enabled}, params on "
               f"{engine.store.tier}, optimizer on {engine.optimizer.tier}, swap files in {nvme}; writing {out}",
               flush=True)
-    if rank == 0:
         with open(out / "run.json", "w") as f:
-            json.dump({"model": args.model, "numel": numel, "world": world, "micro_batch": micro, "seq": seq,
-                       "steps": args.steps, "param_tier": str(engine.store.tier), "optimizer_tier": str(engine.optimizer.tier),
-                       "baseline_rss_bytes": baseline, "swap_bytes_after_setup": _dir_bytes(nvme)}, f, indent=2)
-    start = 0
-    if args.resume and os.path.exists(os.path.join(args.save_dir, "latest")):
-        path, state = engine.load_checkpoint(args.save_dir)
-        state = state if isinstance(state, dict) else {}
-        if state.get("seq") != seq or state.get("model") != args.model or "next_step" not in state:
-            raise ValueError(f"--resume: {path} was saved by a run with --model {state.get('model')} and --seq "
-                             f"{state.get('seq')}; this run has --model {args.model} and --seq {seq}")
-        start = state["next_step"]
-        if rank == 0:
-            print(f"resumed from {path} at step {start}", flush=True)
-    elif args.resume and rank == 0:
-        print(f"--resume: no checkpoint in {args.save_dir} yet; starting at step 0", flush=True)
+            json.dump({"model": args.model, "model_source": src.kind, "data": data.describe(), "numel": numel,
+                       "trained_numel": trained, "world": world, "micro_batch": micro, "accumulation": accum,
+                       "seq": seq, "steps": steps, "param_tier": str(engine.store.tier),
+                       "optimizer_tier": str(engine.optimizer.tier), "baseline_rss_bytes": baseline,
+                       "swap_bytes_after_setup": _dir_bytes(nvme)}, f, indent=2)
+    start = _resume(args, engine, seq, rank)
+    progress = Progress(total=steps, start=start, enabled=rank == 0, every=args.log_every)
     metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None
-    rows = []
+    rows, step, saved = [], start, None
+    model_dir = None
     try:
-        for step in range(start, args.steps):
-            x, y = _batch(step, micro * world, seq, vocab)
-            x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
-            t0 = time.perf_counter()
-            loss = forward(engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            step_s = time.perf_counter() - t0
-            loss_t = torch.tensor([loss.item()])
-            engine.comm.all_reduce_(loss_t)
-            r = engine.last_report
-            row = {"step": step + 1, "loss": loss_t.item() / world, "step_s": step_s,
-                   "tokens_per_s": micro * world * seq / step_s, "io_read_bytes": r.io_read_bytes,
-                   "io_write_bytes": r.io_write_bytes, "exposed_io_s": r.exposed_io_s, "comm_s": r.comm_s,
-                   "prefetch_hit_rate": r.prefetch_hit_rate, "peak_rss_bytes": _peak_rss(),
-                   "baseline_rss_bytes": baseline, "skipped": r.skipped, "loss_scale": r.loss_scale}
+        for step in range(start, steps):
+            row = _one_step(engine, data, step, accum)
+            row.update(peak_rss_bytes=_peak_rss(), baseline_rss_bytes=baseline)
+            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 != steps and data.eval is not None:
+                row["eval_loss"] = data.evaluate(engine)
+            if step + 1 == steps and data.eval is not None:
+                row["eval_loss"] = data.evaluate(engine)
             rows.append(row)
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
-                _progress(row, args.steps)
-            if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-                t0 = time.perf_counter()
-                path = engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1, "model": args.model,
-                                                                           "seq": seq})
-                if rank == 0:
-                    print(f"\nsaved {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+            progress.update(row)
+            if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
+                saved = _save(args, engine, tokenizer, src, step + 1, seq, out, progress, final=step + 1 == steps)
+        if src.kind != "preset" and rows:
+            model_dir = out / "final"
+            engine.save_pretrained(model_dir, tokenizer=tokenizer, merge_lora=args.merge_lora)
+    except KeyboardInterrupt as exc:
+        progress.close()
+        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        print(f"infinity train: {what} at step {step + 1 if rows and rows[-1]['step'] == step + 1 else step} of "
+              f"{steps} (rank {rank}); last checkpoint: {saved or 'none'}; swap files removed", file=sys.stderr,
+              flush=True)
+        return 143 if isinstance(exc, Terminated) else 130
     finally:
-        engine.close()
+        progress.close()
         if metrics is not None:
             metrics.close()
     if rank == 0 and not rows:
-        print(f"nothing to train: the checkpoint is already at step {start} of --steps {args.steps}")
+        print(f"nothing to train: the checkpoint is already at step {start} of --steps {steps}")
     elif rank == 0:
         plotted = _plot(rows, out / "metrics.png", args.model)
-        first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / len(rows[-5:])
-        print(f"\nloss {first:.3f} -> {last:.3f} (mean of the last 5 steps); metrics in {out}/metrics.jsonl, " + (
-              f"plot in {out}/metrics.png" if plotted else "no plot (matplotlib is not installed: "
-              "pip install matplotlib)"))
+        progress.summary(rows=rows, out_dir=out, model_dir=model_dir, peak_rss=max(r["peak_rss_bytes"] for r in rows))
+        print(f"plot in {out}/metrics.png" if plotted else
+              "no plot (matplotlib is not installed: pip install matplotlib)", flush=True)
     return 0
 
 
-def _batch(step: int, size: int, seq: int, vocab: int):
-    from infinity.data import batch
+def _one_step(engine, data, step: int, accum: int) -> dict:
+    """One optimizer step (accum micro-batches); its metrics row. A non-finite loss stops the run, unless fp16's
+    loss scaler is skipping an overflow."""
+    import torch
 
-    return batch(step, size, seq, vocab)
+    t0 = time.perf_counter()
+    data_s, total, tokens = 0.0, 0.0, 0
+    for k in range(accum):
+        td = time.perf_counter()
+        batch = data.batch(step, engine.rank, k)
+        data_s += time.perf_counter() - td
+        loss = data.forward(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+        tokens += data.tokens_in(batch)
+    step_s = time.perf_counter() - t0
+    stats = torch.tensor([total / accum, float(tokens)], dtype=torch.float64)
+    engine.comm.all_reduce_(stats)
+    loss = stats[0].item() / engine.world_size
+    r = engine.last_report
+    if not math.isfinite(loss) and not r.skipped:
+        lr = engine.get_lr()
+        raise FloatingPointError(f"the loss is {loss} at step {step + 1} (lr {lr[0] if len(lr) == 1 else lr}); "
+                                 "training diverged: lower --lr, add --warmup, or use bf16 instead of fp16")
+    return {"step": step + 1, "loss": loss, "step_s": step_s, "data_s": data_s, "tokens": int(stats[1].item()),
+            "tokens_per_s": stats[1].item() / step_s, "io_read_bytes": r.io_read_bytes,
+            "io_write_bytes": r.io_write_bytes, "exposed_io_s": r.exposed_io_s, "comm_s": r.comm_s,
+            "prefetch_hit_rate": r.prefetch_hit_rate, "skipped": r.skipped, "loss_scale": r.loss_scale,
+            "lr": engine.get_lr()[0]}
+
+
+def _resume(args, engine, seq: int, rank: int) -> int:
+    if not args.resume:
+        return 0
+    if not os.path.exists(os.path.join(args.save_dir, "latest")):
+        if rank == 0:
+            print(f"--resume: no checkpoint in {args.save_dir} yet; starting at step 0", flush=True)
+        return 0
+    path, state = engine.load_checkpoint(args.save_dir)
+    state = state if isinstance(state, dict) else {}
+    if state.get("seq") != seq or state.get("model") != args.model or "next_step" not in state:
+        raise ValueError(f"--resume: {path} was saved by a run with --model {state.get('model')} and --seq "
+                         f"{state.get('seq')}; this run has --model {args.model} and --seq {seq}")
+    if state.get("data", args.data) != args.data or state.get("lora", args.lora) != args.lora:
+        raise ValueError(f"--resume: {path} was saved by a run with --data {state.get('data')} and --lora "
+                         f"{state.get('lora')}; this run has --data {args.data} and --lora {args.lora}")
+    if rank == 0:
+        print(f"resumed from {path} at step {state['next_step']}", flush=True)
+    return state["next_step"]
+
+
+def _save(args, engine, tokenizer, src, done: int, seq: int, out: Path, progress, *, final: bool) -> str:
+    t0 = time.perf_counter()
+    path = engine.save_checkpoint(args.save_dir, client_state={
+        "next_step": done, "model": args.model, "seq": seq, "data": args.data, "lora": args.lora,
+        "model_dir": src.directory})
+    if src.kind != "preset" and not final:  # the final one is out/final
+        engine.save_pretrained(out / f"step-{done}", tokenizer=tokenizer, merge_lora=args.merge_lora)
+    progress.say(f"saved {path} in {time.perf_counter() - t0:.1f} s")
+    return path
 
 
 def baseline_rss() -> int:
@@ -264,15 +451,6 @@ def _peak_rss() -> int:
     from infinity.memory_stats import peak_rss_bytes
 
     return peak_rss_bytes()
-
-
-def _progress(row: dict, steps: int) -> None:
-    io_gbs = (row["io_read_bytes"] + row["io_write_bytes"]) / row["step_s"] / 1e9
-    line = (f"step {row['step']:>5}/{steps}  loss {row['loss']:.4f}  {row['step_s']:.2f} s/step  "
-            f"{row['tokens_per_s']:,.0f} tok/s  I/O {io_gbs:.2f} GB/s  hit {row['prefetch_hit_rate']:.0%}  "
-            f"peak RSS {row['peak_rss_bytes'] / 2**20:,.0f} MiB")
-    end = "\n" if not sys.stdout.isatty() or row["step"] == steps else "\r"
-    print(line, end=end, flush=True)
 
 
 def _plot(rows: list, path: Path, title: str) -> bool:
