@@ -316,34 +316,45 @@ def _check_semantics(cfg: Config) -> None:
 
 
 def _check_paths(cfg: Config) -> None:
-    """nvme_path must exist, be a writable directory and (with direct_io) support O_DIRECT."""
+    """nvme_path must be a writable directory, or creatable as one, and (with direct_io) on a filesystem with
+    O_DIRECT. Parsing creates nothing: a missing nvme_path is created by the engine that swaps there (the swapper
+    makes its directory when it starts), so loading a config never leaves a directory behind."""
     zero = cfg.zero_optimization
     for name in ("offload_param", "offload_optimizer"):
         section = getattr(zero, name)
         if section.device != "nvme":
             continue
         key = f"zero_optimization.{name}.nvme_path"
-        path = section.nvme_path
-        if not os.path.exists(path):  # DeepSpeed creates it too
-            try:
-                os.makedirs(path, exist_ok=True)
-            except OSError as exc:
-                raise ConfigError(key, f"{path} does not exist and cannot be created ({exc.strerror}); point "
-                                       "nvme_path at a directory on a fast disk that you can write") from None
-        if not os.path.isdir(path):
+        path = os.path.abspath(section.nvme_path)
+        if os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(key, f"{path} is not a directory")
+        base = existing_ancestor(path)
+        if not os.path.isdir(base):
+            raise ConfigError(key, f"{path} cannot be created: {base} is not a directory; point nvme_path at a "
+                                   "directory on a fast disk that you can write")
         try:
-            with tempfile.TemporaryFile(dir=path):
+            with tempfile.TemporaryFile(dir=base):
                 pass
         except OSError as exc:
-            raise ConfigError(key, f"{path} is not writable ({exc.strerror}); choose a directory you can write") \
-                from None
+            what = "is not writable" if base == path else f"does not exist and cannot be created in {base}"
+            raise ConfigError(key, f"{path} {what} ({exc.strerror}); choose a directory you can write") from None
         if cfg.infinity.direct_io:
             from infinity._native_loader import native
 
-            if native is not None and native.direct_alignment(path) == 0:
+            if native is not None and native.direct_alignment(base) == 0:
                 raise ConfigError(key, f"the filesystem of {path} does not support O_DIRECT; use a directory on "
                                        'a real disk, or set infinity.direct_io = false (or aio.backend = "python")')
+
+
+def existing_ancestor(path: str) -> str:
+    """`path` itself if it exists, else its nearest existing parent (where it would be created)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
 
 
 def check_free_space(cfg: Config, needed_bytes: int) -> None:
@@ -353,7 +364,7 @@ def check_free_space(cfg: Config, needed_bytes: int) -> None:
     for name in ("offload_param", "offload_optimizer"):
         section = getattr(cfg.zero_optimization, name)
         if section.device == "nvme":
-            free = shutil.disk_usage(section.nvme_path).free
+            free = shutil.disk_usage(existing_ancestor(section.nvme_path)).free
             if free < needed_bytes:
                 raise ConfigError(f"zero_optimization.{name}.nvme_path",
                                   f"{section.nvme_path} has {free / 1e9:.1f} GB free but the swap files need "

@@ -198,6 +198,9 @@ class InfinityConfig:
     500,000 spans are kept (about 50 MB); a run that ends without close() writes none."""
     leftovers: str = spec("clear", choices=("clear", "reuse", "error"))
     """What to do with swap files left by a crashed run."""
+    remove_swap_at_exit: bool = spec(True)
+    """Remove this process's swap files when it exits without engine.close(): an exception, sys.exit or SIGTERM
+    (see [Note: swap files die with the process]). false leaves them for inspection or for `leftovers: reuse`."""
     step_during_backward: bool = spec(True)
     """Step each optimizer sub-group as soon as its gradients are final, overlapping backward (off with
     gradient_clipping or fp16, which need every gradient first)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from infinity.config import Config, load_config
+from infinity.engine import lifetime
 from infinity.engine.comm import Comm
 from infinity.engine.params import ParamStore
 from infinity.engine.scheduler import PrefetchScheduler
@@ -38,6 +39,7 @@ def build_store(cfg: Config, comm: Comm) -> ParamStore:
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
     store = ParamStore(comm, tier=tier, dtype=compute_dtype(cfg), device=compute_device(), persistence=persistence,
                        stage=zero.stage, swap=swap, max_in_cpu=zero.offload_param.max_in_cpu)
+    lifetime.track(store, remove_at_exit=cfg.infinity.remove_swap_at_exit)  # [Note: swap files die with the process]
     store.max_live = zero.stage3_max_live_parameters
     store.reduce_bucket = zero.reduce_bucket_size
     if swap is not None:

@@ -20,6 +20,7 @@ import torch
 
 from infinity.config import Config, ConfigError
 from infinity.config.resolve import resolve_auto, resolve_batch
+from infinity.engine import lifetime
 from infinity.engine.build import as_config, build_store
 from infinity.engine.construct import end_access
 from infinity.engine.comm import init_distributed
@@ -118,6 +119,7 @@ class Engine:
         self._gathered_mark = store.bytes_gathered
         self._comm_mark = self.comm.time_s
         self._closed = False
+        lifetime.track(self, remove_at_exit=cfg.infinity.remove_swap_at_exit)
 
     @property
     def rank(self) -> int:
@@ -450,6 +452,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        lifetime.forget(self)
         self.hooks.remove()
         self.optimizer.close()
         self.store.close()

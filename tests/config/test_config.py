@@ -302,15 +302,25 @@ def test_cpu_offload_true_puts_the_optimizer_on_the_cpu():
     assert cfg.zero_optimization.offload_optimizer.device == "cpu"
 
 
-def test_a_missing_nvme_path_is_created_and_an_uncreatable_one_is_named(tmp_path):
+def test_parsing_creates_no_nvme_path_the_engine_does_and_an_uncreatable_one_is_named(tmp_path):
+    """A shipped config names /local_nvme: loading it must not make directories; the engine that swaps does."""
     path = tmp_path / "new" / "swap"
-    load_config(_nvme(path))
-    assert path.is_dir()
+    cfg = load_config(_nvme(path))
+    assert not (tmp_path / "new").exists(), "parsing a config created its nvme_path"
+    import torch
+
+    from infinity.engine import zero_init
+
+    with zero_init(cfg) as store:
+        torch.nn.Linear(8, 8)
+        assert path.is_dir()
+        store.close()
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError) as ei:
         load_config(_nvme(tmp_path / "file" / "swap"))
-    assert str(ei.value).startswith(f"zero_optimization.offload_param.nvme_path: {tmp_path / 'file' / 'swap'} does "
-                                    "not exist and cannot be created (Not a directory)")
+    assert str(ei.value) == (f"zero_optimization.offload_param.nvme_path: {tmp_path / 'file' / 'swap'} cannot be "
+                             f"created: {tmp_path / 'file'} is not a directory; point nvme_path at a directory on a "
+                             "fast disk that you can write")
 
 
 def test_auto_takes_deepspeeds_default_and_says_so():
