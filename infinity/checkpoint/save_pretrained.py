@@ -98,9 +98,10 @@ def save_pretrained(engine, save_directory, *, tokenizer=None, max_shard_size="5
         if rank0:
             os.makedirs(out_dir, exist_ok=True)
         for fname, shard in zip(names, shards):
-            path = os.path.join(out_dir, fname + ".tmp")
-            tmp.append(path)
-            err = _write_shard(engine, shard, path if rank0 and err is None else None, err)
+            path = os.path.join(out_dir, fname + ".tmp") if rank0 else None  # only rank 0 writes, or removes
+            if path is not None:
+                tmp.append(path)
+            err = _write_shard(engine, shard, path if err is None else None, err)
         if rank0 and err is None:
             try:
                 written = _write_metadata(engine, model, out_dir, names, shards, tokenizer, peft_model and not merge_lora,

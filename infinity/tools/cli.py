@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input is one line naming what was wrong, not a traceback.
         print(f"infinity {args.cmd}: {exc}", file=sys.stderr)
         return 2
+    except FloatingPointError as exc:  # a run that diverged: its message names the step and the lr
+        print(f"infinity {args.cmd}: {exc}", file=sys.stderr)
+        return 1
 
 
 def _dispatch(args) -> int:

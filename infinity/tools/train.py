@@ -386,7 +386,7 @@ def _one_step(engine, data, step: int, accum: int) -> dict:
     engine.comm.all_reduce_(stats)
     loss = stats[0].item() / engine.world_size
     r = engine.last_report
-    if not math.isfinite(loss) and not r.skipped:
+    if not math.isfinite(loss) and not (engine.fp16_enabled() and r.skipped):  # fp16: the scaler backs off
         lr = engine.get_lr()
         raise FloatingPointError(f"the loss is {loss} at step {step + 1} (lr {lr[0] if len(lr) == 1 else lr}); "
                                  "training diverged: lower --lr, add --warmup, or use bf16 instead of fp16")
