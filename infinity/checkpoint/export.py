@@ -165,12 +165,40 @@ def export_hf(directory, out_dir, tag: str | None = None, *, max_shard_bytes: in
             os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
         for path, _ in writes:
             os.replace(path + ".tmp", path)
+        extra = _source_files(m.hf_source, out_dir)
         fsync_dir(out_dir)
     finally:
         for p in tmp_paths:
             if os.path.exists(p):
                 os.unlink(p)
-    return {"path": out_dir, "files": names, "tensors": len(ents), "bytes": total}
+    return {"path": out_dir, "files": names + extra, "tensors": len(ents), "bytes": total}
+
+
+def _source_files(source: str | None, out_dir: str) -> list[str]:
+    """The tokenizer and generation config of the directory the model was loaded from, when it still exists,
+    so that AutoTokenizer.from_pretrained(out_dir) works; nothing (and a warning) when it is gone."""
+    if source is None:
+        return []
+    if not os.path.isdir(source):
+        import warnings
+
+        warnings.warn(f"checkpoint export --hf: the model was loaded from {source}, which no longer exists, so the "
+                      "export has no tokenizer; copy the tokenizer files into it yourself", stacklevel=3)
+        return []
+    files = []
+    gen = os.path.join(source, "generation_config.json")
+    if os.path.isfile(gen):
+        import shutil
+
+        shutil.copyfile(gen, os.path.join(out_dir, "generation_config.json"))
+        files.append("generation_config.json")
+    try:
+        from transformers import AutoTokenizer
+
+        files += [os.path.basename(p) for p in AutoTokenizer.from_pretrained(source).save_pretrained(out_dir)]
+    except (OSError, ValueError, ImportError):
+        pass  # no tokenizer there: the export is the model alone, as before
+    return files
 
 
 def _write_safetensors(root, m: Manifest, ents, path):

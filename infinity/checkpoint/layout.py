@@ -184,6 +184,8 @@ class Manifest:
     """The pickled client_state (base64), when JSON could not carry it."""
     hf_config: dict | None = None
     """The Hugging Face model's config (for `checkpoint export --hf`); None for any other module."""
+    hf_source: str | None = None
+    """The directory the Hugging Face model was loaded from, when known: export --hf copies its tokenizer."""
     config: dict = field(default_factory=dict)
     """The engine config it was saved with (as JSON)."""
     excluded_frozen: tuple[str, ...] = ()
@@ -225,6 +227,7 @@ class Manifest:
                    client_state=d.get("client_state"),
                    client_state_pickle=_take(d, "client_state_pickle", str, root, default=None),
                    hf_config=_take(d, "hf_config", (dict, type(None)), root, default=None),
+                   hf_source=_take(d, "hf_source", (str, type(None)), root, default=None),
                    config=_take(d, "config", dict, root, default={}),
                    excluded_frozen=tuple(excluded), moments_dtype=moments)
 

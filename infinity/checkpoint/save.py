@@ -146,6 +146,7 @@ def manifest(engine, tag: str, client_state, *, exclude_frozen: bool = False) ->
         "params": [{"name": mp.name, "shape": list(mp.shape), "numel": mp.numel, "part": mp.part,
                     "frozen": not mp.trainable} for mp in store.params if mp.trainable or not exclude_frozen],
         "hf_config": hf_config(engine.module),
+        "hf_source": hf_source(engine.module),
         "aliases": aliases(engine.module),
         "extras": [{"name": k, "shape": list(v.shape), "dtype": name_of(v.dtype)}
                    for k, v in extras.items()],
@@ -182,6 +183,14 @@ def hf_config(module) -> dict | None:
     if mu is None or not isinstance(module, mu.PreTrainedModel):
         return None
     return json.loads(module.config.to_json_string())
+
+
+def hf_source(module) -> str | None:
+    """The local directory a Hugging Face model (or a peft model's base) was loaded from, when it is one:
+    `checkpoint export --hf` copies its tokenizer and generation config."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    path = getattr(getattr(base, "config", None), "name_or_path", None)
+    return os.path.abspath(path) if isinstance(path, str) and path and os.path.isdir(path) else None
 
 
 CRASH_POINTS = ("prepared", "group", "written", "marked", "renamed")

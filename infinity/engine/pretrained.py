@@ -124,6 +124,7 @@ def load_pretrained(store, cls, name_or_path, model_args, kwargs):
             mp.unwritten = False
     _write_unwritten(store, model)
     model.eval()
+    model.config.name_or_path = path  # as plain from_pretrained records it (peft's adapter config and checkpoints read it)
     _generation_config(model, path)
     if info["missing_keys"]:
         log.warning("infinity: %s: %d weights were not in %s and are newly initialised: %s", cls.__name__,

@@ -1,5 +1,5 @@
 """The `infinity` command (also `python -m infinity`): train, tune, plan, info, checkpoint export|info,
-bench io|adam|swap|train|plan|checkpoint|peft."""
+bench io|adam|swap|train|plan|checkpoint|peft|finetune."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     from infinity.bench import peft as bench_peft
 
     bench_peft.add_arguments(bsub.add_parser("peft", help="LoRA on frozen offloaded weights vs full training"))
+    from infinity.bench import finetune as bench_ft
+
+    bench_ft.add_arguments(bsub.add_parser("finetune", help="corpus streaming RSS, from_pretrained memory, data share"))
     return p
 
 
@@ -116,6 +119,10 @@ def _dispatch(args) -> int:
         from infinity.bench import peft as bench_peft
 
         return bench_peft.run(args)
+    if args.cmd == "bench" and args.what == "finetune":
+        from infinity.bench import finetune as bench_ft
+
+        return bench_ft.run(args)
     if args.cmd == "bench" and args.what == "train":
         from infinity.bench import train as bench_train
 

@@ -192,7 +192,10 @@ def test_a_lora_checkpoint_resumes_exactly_on_nvme(tmp_path, disk_dir):
 def test_export_hf_gives_from_pretrained_the_trained_weights(tmp_path, disk_dir):
     from infinity.tools.cli import main
 
+    from infinity.testing.tiny_hf import make_tokenizer
+
     path = saved(tmp_path, gpt2_config())  # a tied head: exported once, tied again by from_pretrained
+    make_tokenizer(str(path))  # the tokenizer beside the weights: the export copies it
     cfg = cfg_for("nvme", disk_dir, largest=256 * 64)
     with zero_init(cfg):
         model = transformers.AutoModelForCausalLM.from_pretrained(path)
@@ -211,6 +214,9 @@ def test_export_hf_gives_from_pretrained_the_trained_weights(tmp_path, disk_dir)
                  "--max-shard-size", "100KB"]) == 0
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists(), "sharded above --max-shard-size"
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok("a b").input_ids == transformers.AutoTokenizer.from_pretrained(path)("a b").input_ids
+    assert (tmp_path / "hf" / "generation_config.json").exists()
     assert back.lm_head.weight is back.transformer.wte.weight
     for n, p in back.named_parameters():
         assert torch.equal(p, trained[n]), f"{n}: the exported weights are not the trained ones"
