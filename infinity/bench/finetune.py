@@ -32,7 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus-mb", type=int, default=200, help="size of the streamed corpus (MB)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=4096, help="the tokenizer's vocabulary (trained here)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--json", action="store_true")
@@ -140,8 +139,9 @@ def run(args) -> int:
 
 
 def _train(args, work: str, model_dir: str, corpus: str, ckpt_bytes: int) -> dict:
-    # Parameter buffers: 4 of 1/32 of the largest-possible layer budget, so the directory is >= 8x the pool.
-    buf_numel = max(1 << 16, ckpt_bytes // 4 // 32 // 4)
+    # Parameter buffers: 4, each as big as the largest tensor (the least that works), so that the directory is
+    # many times the pool.
+    buf_numel = _largest_numel(os.path.join(model_dir, "model.safetensors"))
     cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 4_000_000,
                                  "offload_param": {"device": "nvme", "buffer_count": 4, "buffer_size": buf_numel},
                                  "offload_optimizer": {"device": "nvme", "buffer_count": 3}},
@@ -152,9 +152,11 @@ def _train(args, work: str, model_dir: str, corpus: str, ckpt_bytes: int) -> dic
         json.dump(cfg, f)
     run_dir = os.path.join(work, "run")
     env = dict(os.environ, HF_DATASETS_CACHE=os.path.join(work, "cache"))
-    subprocess.run([sys.executable, "-m", "infinity", "train", "--model", model_dir, "--data", corpus, "--config",
-                    cfg_path, "--steps", str(args.steps), "--seq", str(args.seq), "--nvme-path",
-                    os.path.join(work, "swap"), "--out", run_dir], check=True, env=env, capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "infinity", "train", "--model", model_dir, "--data", corpus,
+                           "--config", cfg_path, "--steps", str(args.steps), "--seq", str(args.seq), "--nvme-path",
+                           os.path.join(work, "swap"), "--out", run_dir], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench finetune: infinity train failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     later = rows[1:] or rows
     return {"buffer_pool_bytes": 4 * buf_numel * 4, "checkpoint_bytes": ckpt_bytes,
@@ -163,6 +165,15 @@ def _train(args, work: str, model_dir: str, corpus: str, ckpt_bytes: int) -> dic
             "data_share": max(r["data_s"] / r["step_s"] for r in later),
             "median_step_s": sorted(r["step_s"] for r in later)[len(later) // 2],
             "median_data_s": sorted(r["data_s"] for r in later)[len(later) // 2]}
+
+
+def _largest_numel(path: str) -> int:
+    import math
+    import struct
+
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return max(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
 
 def _report(r: dict, as_json: bool) -> None:

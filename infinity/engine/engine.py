@@ -656,8 +656,10 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
         per = state_bytes(MOMENT_DTYPES[off_o.moments_dtype]) + (store.dtype.itemsize if tail else 0)
         opt_bytes = per * sum(part[k] for k in trained)
     need: dict = {}  # filesystem -> [a path on it, bytes for parameters, bytes for the optimizer]
-    p_dev = os.stat(zero.offload_param.nvme_path).st_dev if fp32_files else None
-    o_dev = os.stat(zero.offload_optimizer.nvme_path).st_dev if opt_bytes else None
+    from infinity.config.load import existing_ancestor  # an nvme_path is made when its swapper starts
+
+    p_dev = os.stat(existing_ancestor(zero.offload_param.nvme_path)).st_dev if fp32_files else None
+    o_dev = os.stat(existing_ancestor(zero.offload_optimizer.nvme_path)).st_dev if opt_bytes else None
     if o_dev is not None:
         need[o_dev] = [zero.offload_optimizer.nvme_path, 0, opt_bytes]
     if p_dev is not None:
@@ -667,7 +669,7 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host share its disks
     for path, p_bytes, o_bytes in need.values():
         p_bytes, o_bytes = p_bytes * local, o_bytes * local
-        free = shutil.disk_usage(path).free
+        free = shutil.disk_usage(existing_ancestor(path)).free
         if free < p_bytes + o_bytes:
             raise ConfigError("zero_optimization.offload_param.nvme_path" if p_bytes else
                               "zero_optimization.offload_optimizer.nvme_path",
