@@ -299,7 +299,8 @@ def _write_metadata(engine, model, out_dir, names, shards, tokenizer, adapter: b
 
 def _remove_stale(out_dir: str, keep: set, *, adapter: bool) -> None:
     """Weight files of an earlier save of the same kind (model or adapter) that this one does not rewrite: other
-    shard counts, .bin files."""
+    shard counts, .bin files. The other kind stays: an adapter saved into its base model's directory must not
+    delete the base model."""
     for name in os.listdir(out_dir):
         m = _OLD_WEIGHTS.match(name)
         if m and name not in keep and (m.group(1) == "adapter_model") == adapter:

@@ -27,8 +27,12 @@ class Progress:
         self.rate = None  # tokens/s, exponentially smoothed over steps
         self.bar = None
         if self.tty:
-            from tqdm import tqdm
-
+            try:
+                from tqdm import tqdm
+            except ImportError:  # plain lines, as in a log file
+                self.tty = False
+                self.every = every or max(1, (total - start) // 20)
+                return
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=self.stream,
                             smoothing=0.1)
 

@@ -31,6 +31,14 @@ def launch(nproc: int, argv: list[str]) -> int:
         procs.append(subprocess.Popen([sys.executable, "-m", "infinity", *argv], env=env))
     interrupted = False
     failed_at = None
+
+    def forward(signum, frame):  # `kill` or a scheduler's SIGTERM/SIGHUP reaches only this process: pass it on
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
     while True:
         try:
             codes = [p.poll() for p in procs]

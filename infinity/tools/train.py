@@ -124,6 +124,11 @@ def run(args) -> int:
     previous = signal.signal(signal.SIGTERM, _sigterm) if _main_thread() else None
     try:
         return _train(args, out, nvme)
+    except KeyboardInterrupt as exc:  # during setup (reading data, loading weights); the loop says its own line
+        term = isinstance(exc, Terminated)
+        print(f"infinity train: {'terminated (SIGTERM)' if term else 'interrupted'} during setup, before step 1 "
+              f"(rank {os.environ.get('RANK', '0')}); swap files removed", file=sys.stderr, flush=True)
+        return 143 if term else 130
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -287,15 +292,15 @@ def _data(args, src, tokenizer, seq: int, vocab: int, comm, *, micro: int, accum
 
 
 def _steps(args, data) -> int:
-    if args.steps is not None:
-        return args.steps
     if not data.finite:
-        return 60
+        return args.steps or 60
     per_epoch = data.steps_per_epoch
     if per_epoch < 1:
-        raise ValueError(f"--data {args.data}: {data.windows} windows of --seq {data.seq} make no full step of "
-                         f"{data.per_step} windows (micro batch x ranks x accumulation); give more text or smaller "
-                         "batches")
+        raise ValueError(f"--data {args.data or 'the built-in text'}: {data.windows} windows of --seq {data.seq} make "
+                         f"no full step of {data.per_step} windows (micro batch x ranks x accumulation); give more "
+                         "text or smaller batches")
+    if args.steps is not None:
+        return args.steps
     return max(1, int(per_epoch * (args.epochs or 1)))
 
 

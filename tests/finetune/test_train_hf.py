@@ -146,8 +146,9 @@ def test_prompt_completion_masks_the_prompt(files):
     first = w.dataset[0]
     kept = [int(t) for t, lab in zip(first["input_ids"], first["labels"]) if lab != fdata.IGNORE]
     assert tok.decode(kept) == row["completion"] + "<|end|>"
-    assert int(first["attention_mask"].sum()) == sum(1 for t in first["labels"]) - \
-        int((first["attention_mask"] == 0).sum())
+    prompt = tok(row["prompt"])["input_ids"]
+    assert first["input_ids"][:len(prompt)].tolist() == prompt and (first["labels"][:len(prompt)] == -100).all()
+    assert int(first["attention_mask"].sum()) == len(prompt) + len(kept)
 
 
 def test_chat_fine_tune_on_two_ranks_matches_one_rank(files, tmp_path, disk_dir):
@@ -230,3 +231,14 @@ def test_bad_data_and_lora_input_is_one_clear_line(files, tmp_path, args, messag
     out = train("--model", files["llama"], *args, "--out", str(tmp_path / "run"))
     assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("world,micro,accum", [(1, 4, 1), (2, 2, 1), (2, 3, 2), (3, 1, 4)])
+def test_schedule_gives_every_rank_disjoint_windows_covering_each_step(world, micro, accum):
+    sched = fdata.Schedule(windows=100, micro=micro, world=world, accum=accum, seed=3)
+    for step in range(2 * sched.steps_per_epoch):
+        got = [i for r in range(world) for k in range(accum) for i in sched.indices(step, r, k)]
+        assert len(got) == len(set(got)) == sched.per_step
+    epoch = [i for s in range(sched.steps_per_epoch) for r in range(world) for k in range(accum)
+             for i in sched.indices(s, r, k)]
+    assert len(set(epoch)) == len(epoch) == sched.steps_per_epoch * sched.per_step
