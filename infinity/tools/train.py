@@ -376,6 +376,7 @@ def _one_step(engine, data, step: int, accum: int) -> dict:
     import torch
 
     t0 = time.perf_counter()
+    lr = engine.get_lr()  # this step's; step() moves the scheduler on
     data_s, total, tokens = 0.0, 0.0, 0
     for k in range(accum):
         td = time.perf_counter()
@@ -392,14 +393,13 @@ def _one_step(engine, data, step: int, accum: int) -> dict:
     loss = stats[0].item() / engine.world_size
     r = engine.last_report
     if not math.isfinite(loss) and not (engine.fp16_enabled() and r.skipped):  # fp16: the scaler backs off
-        lr = engine.get_lr()
         raise FloatingPointError(f"the loss is {loss} at step {step + 1} (lr {lr[0] if len(lr) == 1 else lr}); "
                                  "training diverged: lower --lr, add --warmup, or use bf16 instead of fp16")
     return {"step": step + 1, "loss": loss, "step_s": step_s, "data_s": data_s, "tokens": int(stats[1].item()),
             "tokens_per_s": stats[1].item() / step_s, "io_read_bytes": r.io_read_bytes,
             "io_write_bytes": r.io_write_bytes, "exposed_io_s": r.exposed_io_s, "comm_s": r.comm_s,
             "prefetch_hit_rate": r.prefetch_hit_rate, "skipped": r.skipped, "loss_scale": r.loss_scale,
-            "lr": engine.get_lr()[0]}
+            "lr": lr[0]}
 
 
 def _resume(args, engine, seq: int, rank: int) -> int:
@@ -414,19 +414,29 @@ def _resume(args, engine, seq: int, rank: int) -> int:
     if state.get("seq") != seq or state.get("model") != args.model or "next_step" not in state:
         raise ValueError(f"--resume: {path} was saved by a run with --model {state.get('model')} and --seq "
                          f"{state.get('seq')}; this run has --model {args.model} and --seq {seq}")
-    if state.get("data", args.data) != args.data or state.get("lora", args.lora) != args.lora:
-        raise ValueError(f"--resume: {path} was saved by a run with --data {state.get('data')} and --lora "
-                         f"{state.get('lora')}; this run has --data {args.data} and --lora {args.lora}")
+    mine = _data_position_keys(args, engine)
+    theirs = {k: state.get(k, v) for k, v in mine.items()}
+    if theirs != mine:  # any of these changes which windows step s reads, or what is trained
+        diff = ", ".join(f"{k} {theirs[k]} (now {mine[k]})" for k in mine if theirs[k] != mine[k])
+        raise ValueError(f"--resume: {path} was saved by a run with {diff}; resume with the same settings, or "
+                         "start a new run in another --save-dir")
     if rank == 0:
         print(f"resumed from {path} at step {state['next_step']}", flush=True)
     return state["next_step"]
 
 
+def _data_position_keys(args, engine) -> dict:
+    """What decides which windows step s reads, and what is trained: a resume must match them all."""
+    return {"data": args.data, "lora": args.lora, "seed": args.seed, "packing": args.packing,
+            "eval_fraction": args.eval_fraction, "world": engine.world_size,
+            "micro": engine.train_micro_batch_size_per_gpu(), "accum": engine.gradient_accumulation_steps()}
+
+
 def _save(args, engine, tokenizer, src, done: int, seq: int, out: Path, progress, *, final: bool) -> str:
     t0 = time.perf_counter()
     path = engine.save_checkpoint(args.save_dir, client_state={
-        "next_step": done, "model": args.model, "seq": seq, "data": args.data, "lora": args.lora,
-        "model_dir": src.directory})
+        "next_step": done, "model": args.model, "seq": seq, "model_dir": src.directory,
+        **_data_position_keys(args, engine)})
     if src.kind != "preset" and not final:  # the final one is out/final
         engine.save_pretrained(out / f"step-{done}", tokenizer=tokenizer, merge_lora=args.merge_lora)
     progress.say(f"saved {path} in {time.perf_counter() - t0:.1f} s")

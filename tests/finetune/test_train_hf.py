@@ -242,3 +242,16 @@ def test_schedule_gives_every_rank_disjoint_windows_covering_each_step(world, mi
     epoch = [i for s in range(sched.steps_per_epoch) for r in range(world) for k in range(accum)
              for i in sched.indices(s, r, k)]
     assert len(set(epoch)) == len(epoch) == sched.steps_per_epoch * sched.per_step
+
+
+def test_eval_in_the_metrics_and_resume_refuses_another_data_order(files, tmp_path, disk_dir):
+    common = ["--model", files["gpt2"], "--data", files["text"], "--config", config(tmp_path), "--seq", "64",
+              "--eval-fraction", "0.1", "--nvme-path", str(disk_dir), "--save-dir", str(tmp_path / "ck")]
+    out = train(*common, "--steps", "2", "--eval-every", "1", "--out", str(tmp_path / "a"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = metrics(tmp_path / "a")
+    assert all("eval_loss" in r and r["eval_loss"] > 0 for r in rows)
+    assert rows[0]["lr"] == 3e-3
+    again = train(*common, "--steps", "4", "--resume", "--seed", "5", "--out", str(tmp_path / "b"))
+    assert again.returncode == 2
+    assert "was saved by a run with seed 0 (now 5); resume with the same settings" in again.stderr
