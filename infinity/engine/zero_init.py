@@ -131,9 +131,31 @@ def _partition(store, module) -> None:
     for name, p in module.named_parameters(recurse=False):
         if p is not None and managed(p) is None:
             store.adopt(p, f"{type(module).__name__}.{name}")
+            if "_infinity_values_hook" not in module.__dict__:
+                module.__dict__["_infinity_values_hook"] = module.register_state_dict_post_hook(_true_values)
     # A parent may have written its children's parameters: what it staged or assigned becomes their shards now.
     store.settle_staged()
     store.adopt_reassigned([m for m in (managed(p) for p in module.parameters()) if m is not None])
+
+
+def _true_values(module, state_dict, prefix, local_metadata) -> None:
+    """Between zero_init and initialize, `state_dict()` gives each partitioned parameter's real value, gathered
+    one at a time (a collective: call it on every rank), so `torch.save(model.state_dict())` never writes a
+    placeholder's NaN. From initialize on, the guard in hooks.py raises first ([Note: state_dict guard]);
+    keep_vars=True returns the Parameters themselves, untouched."""
+    from infinity.errors import PartitionedStateError
+
+    for name, p in module._parameters.items():
+        mp = managed(p)
+        key = prefix + name
+        if mp is None or mp.status is not ParamStatus.SHARDED or isinstance(state_dict.get(key), torch.nn.Parameter):
+            continue
+        if mp.store.frozen:
+            continue
+        if not mp.store.swap_open():
+            raise PartitionedStateError(f"state_dict(): {mp.name} belongs to a store that was closed before "
+                                        "initialize(), so its values are gone; build the model again")
+        state_dict[key] = mp.store.gather_full(mp, scheduled=False).detach().clone()
 
 
 def _hf_pretrained_model():

@@ -151,3 +151,23 @@ def test_save_pretrained_refuses_merge_without_peft_and_a_file_as_directory(mode
         with pytest.raises(ValueError, match="max_shard_size: cannot read 'big'"):
             engine.save_pretrained(tmp_path / "m", max_shard_size="big")
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_before_initialize_state_dict_gives_the_real_values(tier, model_dir, tmp_path, disk_dir):
+    """Between zero_init and initialize the parameters are already partitioned: torch.save(model.state_dict())
+    wrote the placeholders' NaN. It now gets each value, gathered."""
+    plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    cfg = cfg_for(tier, disk_dir)
+    with zero_init(cfg) as store:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    try:
+        torch.save(model.state_dict(), tmp_path / "sd.pt")
+        back = torch.load(tmp_path / "sd.pt")
+        assert set(back) == set(plain)
+        for k in plain:
+            assert torch.equal(back[k], plain[k]), k
+        assert all(isinstance(v, torch.nn.Parameter) for v in model.state_dict(keep_vars=True).values()
+                   if v.is_floating_point() and v.dim() > 1)
+    finally:
+        store.close()
