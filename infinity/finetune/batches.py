@@ -64,13 +64,14 @@ class TextBatches:
             return train, ev
 
         result, err = None, None
+        all_ok = _patient_all_ok(comm)
         for turn in (0, 1):
             if (comm.rank == 0) == (turn == 0):
                 try:
                     result = make()
                 except Exception as exc:  # noqa: BLE001 - raised below, after the other ranks hear of it
                     err = exc
-            if not comm.all_ok(err is None):
+            if not all_ok(err is None):
                 if err is not None:
                     raise err
                 raise RuntimeError("reading --data failed on another rank (its error says why)")
@@ -135,6 +136,24 @@ class TextBatches:
             engine.train()
         engine.comm.all_reduce_(total)
         return (total[0] / total[1]).item()
+
+
+def _patient_all_ok(comm):
+    """`comm.all_ok` over a gloo group without the job's comm timeout: tokenizing a big corpus on rank 0 takes
+    as long as it takes, and the other ranks wait for it (a rank that dies still breaks the group at once)."""
+    if comm.world == 1:
+        return lambda ok: ok
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(days=7))
+
+    def all_ok(ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+    return all_ok
 
 
 def _builtin_rows():
