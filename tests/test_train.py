@@ -128,3 +128,17 @@ def test_seq_beyond_the_model_says_what_it_did(tmp_path, disk_dir):
     assert out.returncode == 0, out.stderr
     assert "--seq 100000 is beyond the model's 64 positions; using --seq 64" in out.stdout
     assert json.loads((tmp_path / "run" / "run.json").read_text())["seq"] == 64
+
+
+def test_batch_sizes_follow_the_configs_keys_as_deepspeed_resolves_them():
+    from argparse import Namespace
+
+    from infinity.config import load_config
+    from infinity.tools.train import _batch_sizes
+
+    none = Namespace(micro_batch=None, grad_accum=None)
+    assert _batch_sizes(none, load_config({"train_batch_size": 8, "gradient_accumulation_steps": 2})) == (4, 2)
+    assert _batch_sizes(none, load_config({"train_batch_size": 6})) == (6, 1)
+    assert _batch_sizes(none, load_config({})) == (4, 1)
+    assert _batch_sizes(Namespace(micro_batch=2, grad_accum=None),
+                        load_config({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3})) == (2, 3)

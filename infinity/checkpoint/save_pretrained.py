@@ -177,8 +177,15 @@ def _merged_entries(engine, model, adapter_name) -> list[_Entry]:
     base = model.get_base_model()
     layers = {}
     for name, module in base.named_modules():
-        if isinstance(module, BaseTunerLayer) and adapter_name in getattr(module, "lora_A", {}):
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if adapter_name in getattr(module, "lora_A", {}) and not getattr(module, "use_dora", {}).get(adapter_name):
             layers[f"{name}.base_layer.weight"] = module
+        elif any(adapter_name in (getattr(module, a, None) or {}) for a in
+                 ("lora_embedding_A", "lora_magnitude_vector", "ia3_l", "hada_w1_a", "oft_r")):
+            raise ValueError(f"save_pretrained(merge_lora=True): {name} is a {type(module).__name__} adapter "
+                             "(embedding LoRA, DoRA or another tuner), which this streamed merge does not handle; "
+                             "save the adapter (merge_lora=False) and merge it with peft")
     entries = []
     for key, t in _unique(base.state_dict(keep_vars=True)).items():
         if "lora_" in key:

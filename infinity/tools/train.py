@@ -180,8 +180,16 @@ def _sized_config(args, nvme: str, largest: int):
 
 
 def _batch_sizes(args, cfg) -> tuple[int, int]:
-    micro = args.micro_batch or cfg.train_micro_batch_size_per_gpu or 4
-    accum = args.grad_accum or cfg.gradient_accumulation_steps or 1
+    """--micro-batch and --grad-accum, else the config's batch keys resolved for this world size (DeepSpeed's
+    rules: any two of train_batch_size, the micro batch and accumulation give the third), else 4 and 1."""
+    from infinity.config.resolve import resolve_batch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sizes = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+                          world)
+    micro = args.micro_batch or sizes.micro_batch_per_rank or 4
+    accum = args.grad_accum or (sizes.gradient_accumulation_steps if not args.micro_batch else
+                                cfg.gradient_accumulation_steps or 1)
     return micro, accum
 
 
