@@ -142,3 +142,29 @@ def test_batch_sizes_follow_the_configs_keys_as_deepspeed_resolves_them():
     assert _batch_sizes(none, load_config({})) == (4, 1)
     assert _batch_sizes(Namespace(micro_batch=2, grad_accum=None),
                         load_config({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3})) == (2, 3)
+
+
+def test_the_default_swap_dirs_of_killed_runs_are_reclaimed(tmp_path):
+    import os
+    import time
+
+    from infinity.tools.train import _reclaim_dead_runs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = tmp_path / "infinity-train.live" / "infinity-swap" / "param-rank0"
+    gone = tmp_path / "infinity-train.dead" / "infinity-swap" / "param-rank0"
+    for d, pid in ((mine, os.getpid()), (gone, dead.pid)):
+        d.mkdir(parents=True)
+        (d / "owner.pid").write_text(str(pid))
+        (d / "x.swp").write_bytes(b"x" * 4096)
+    empty_old = tmp_path / "infinity-train.early"
+    empty_old.mkdir()
+    os.utime(empty_old, (time.time() - 7200, time.time() - 7200))
+    (tmp_path / "infinity-train.fresh").mkdir()
+    other = tmp_path / "someone-else"
+    other.mkdir()
+    _reclaim_dead_runs(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["infinity-train.fresh", "infinity-train.live",
+                                                          "someone-else"]
+    assert (mine / "x.swp").exists(), "a live run's swap files are untouched"

@@ -120,6 +120,8 @@ def run(args) -> int:
 
         return launch(args.nproc, [*_without_nproc(sys.argv[1:]), "--out", str(out)])
     own_nvme = args.nvme_path is None
+    if own_nvme and os.environ.get("RANK", "0") == "0":
+        _reclaim_dead_runs(os.environ.get("TMPDIR", "/var/tmp"))
     nvme = args.nvme_path or tempfile.mkdtemp(prefix="infinity-train.", dir=os.environ.get("TMPDIR", "/var/tmp"))
     previous = signal.signal(signal.SIGTERM, _sigterm) if _main_thread() else None
     try:
@@ -134,6 +136,35 @@ def run(args) -> int:
             signal.signal(signal.SIGTERM, previous)
         if own_nvme:
             shutil.rmtree(nvme, ignore_errors=True)
+
+
+def _reclaim_dead_runs(base: str) -> None:
+    """Remove the default swap directories of earlier runs that were killed (kill -9, the OOM killer), which
+    nothing else would: each swapper records its process in owner.pid, and a directory whose every owner is
+    dead is removed. A directory without owners (killed before its first swap file) goes after an hour."""
+    from infinity.swap.swapper import _alive
+
+    try:
+        names = [n for n in os.listdir(base) if n.startswith("infinity-train.")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(base, name)
+        owners = []
+        for root, _, files in os.walk(path):
+            if "owner.pid" in files:
+                try:
+                    owners.append(int(open(os.path.join(root, "owner.pid")).read().strip() or "0"))
+                except (OSError, ValueError):
+                    owners.append(0)
+        try:
+            stale = (owners and not any(p and _alive(p) for p in owners)) or (
+                not owners and time.time() - os.stat(path).st_mtime > 3600)
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"infinity train: removed {path}, the swap files of a run that was killed", flush=True)
 
 
 class Terminated(KeyboardInterrupt):
