@@ -128,8 +128,8 @@ def run(args) -> int:
         return _train(args, out, nvme)
     except KeyboardInterrupt as exc:  # during setup (reading data, loading weights); the loop says its own line
         term = isinstance(exc, Terminated)
-        print(f"infinity train: {'terminated (SIGTERM)' if term else 'interrupted'} during setup, before step 1 "
-              f"(rank {os.environ.get('RANK', '0')}); swap files removed", file=sys.stderr, flush=True)
+        _stop_line(f"infinity train: {'terminated (SIGTERM)' if term else 'interrupted'} during setup, before step 1 "
+                   f"(rank {os.environ.get('RANK', '0')}); swap files removed")
         return 143 if term else 130
     finally:
         if previous is not None:
@@ -142,7 +142,7 @@ def _reclaim_dead_runs(base: str) -> None:
     """Remove the default swap directories of earlier runs that were killed (kill -9, the OOM killer), which
     nothing else would: each swapper records its process in owner.pid, and a directory whose every owner is
     dead is removed. A directory without owners (killed before its first swap file) goes after an hour."""
-    from infinity.swap.swapper import _alive
+    from infinity.swap.swapper import _alive, read_owner
 
     try:
         names = [n for n in os.listdir(base) if n.startswith("infinity-train.")]
@@ -150,13 +150,8 @@ def _reclaim_dead_runs(base: str) -> None:
         return
     for name in names:
         path = os.path.join(base, name)
-        owners = []
-        for root, _, files in os.walk(path):
-            if "owner.pid" in files:
-                try:
-                    owners.append(int(open(os.path.join(root, "owner.pid")).read().strip() or "0"))
-                except (OSError, ValueError):
-                    owners.append(0)
+        owners = [read_owner(os.path.join(root, "owner.pid")) for root, _, files in os.walk(path)
+                  if "owner.pid" in files]
         try:
             stale = (owners and not any(p and _alive(p) for p in owners)) or (
                 not owners and time.time() - os.stat(path).st_mtime > 3600)
@@ -169,6 +164,13 @@ def _reclaim_dead_runs(base: str) -> None:
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, turned into the same orderly stop as Ctrl-C (swap files removed, one line, exit 143)."""
+
+
+def _stop_line(text: str) -> None:
+    """One line on stderr in one write: every rank says it at the same moment, and print's separate write of
+    the newline let two ranks' lines run together."""
+    sys.stderr.flush()
+    os.write(2, (text + "\n").encode())
 
 
 def _sigterm(signum, frame):
@@ -267,9 +269,8 @@ def _train(args, out: Path, nvme: str) -> int:
         cfg = _sized_config(args, nvme, largest)
     cfg = _with_batch(_with_lr(args, cfg), micro, accum)
     comm = init_distributed(cfg.infinity.comm_timeout_s)
-    rank, world = comm.rank, comm.world
     baseline = baseline_rss()
-    if planned is not None and rank == 0:
+    if planned is not None and comm.rank == 0:
         _write_plan(out, planned, baseline)
     tokenizer = fmodel.load_tokenizer(src, args.tokenizer) if src.kind != "preset" else None
     data = _data(args, src, tokenizer, seq, vocab, comm, micro=micro, accum=accum)
@@ -344,8 +345,6 @@ def _steps(args, data) -> int:
 
 
 def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, baseline, nvme) -> int:
-    import torch
-
     from infinity.finetune.progress import Progress
 
     rank, world = engine.rank, engine.world_size
@@ -391,9 +390,8 @@ def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, bas
     except KeyboardInterrupt as exc:
         progress.close()
         what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
-        print(f"infinity train: {what} at step {step + 1 if rows and rows[-1]['step'] == step + 1 else step} of "
-              f"{steps} (rank {rank}); last checkpoint: {saved or 'none'}; swap files removed", file=sys.stderr,
-              flush=True)
+        _stop_line(f"infinity train: {what} at step {step + 1 if rows and rows[-1]['step'] == step + 1 else step} "
+                   f"of {steps} (rank {rank}); last checkpoint: {saved or 'none'}; swap files removed")
         return 143 if isinstance(exc, Terminated) else 130
     finally:
         progress.close()
