@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 
-__all__ = ["rss_bytes", "reset_peak", "peak_rss_bytes", "PeakSampler"]
+__all__ = ["rss_bytes", "anon_bytes", "reset_peak", "peak_rss_bytes", "PeakSampler"]
 
 
 def rss_bytes() -> int:
@@ -60,19 +60,26 @@ def peak_rss_bytes() -> int:
     return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
 
 
-class PeakSampler:
-    """`with PeakSampler() as s: ...`: samples the RSS every 5 ms on a thread; `s.peak` is the largest seen
-    (bytes), counting the RSS at the start and at the end."""
+def anon_bytes() -> int:
+    """RssAnon: resident memory not backed by a file (0 where /proc is missing). Memory-mapped files' pages
+    (a datasets Arrow cache) count in the RSS but not here: the kernel takes them back under pressure."""
+    return _proc_status("RssAnon") or 0
 
-    def __init__(self, interval_s: float = 0.005):
-        self.peak = rss_bytes()
+
+class PeakSampler:
+    """`with PeakSampler() as s: ...`: samples the RSS (or `read()`, e.g. anon_bytes) every 5 ms on a thread;
+    `s.peak` is the largest seen (bytes), counting the value at the start and at the end."""
+
+    def __init__(self, interval_s: float = 0.005, read=None):
+        self._read = read or rss_bytes
+        self.peak = self._read()
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.wait(self._interval_s):
-            self.peak = max(self.peak, rss_bytes())
+            self.peak = max(self.peak, self._read())
 
     def __enter__(self):
         self._t.start()
@@ -81,7 +88,7 @@ class PeakSampler:
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
-        self.peak = max(self.peak, rss_bytes())
+        self.peak = max(self.peak, self._read())
 
 
 def _proc_status(key: str) -> int | None:

@@ -57,54 +57,25 @@ def _stream_child(model_dir: str, corpus: str, seq: int, cache: str) -> None:
     import transformers
 
     from infinity.finetune import data
-    from infinity.memory_stats import peak_rss_bytes, reset_peak, rss_bytes
+    from infinity.memory_stats import PeakSampler, anon_bytes, peak_rss_bytes, reset_peak, rss_bytes
 
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     tok(["warm up the tokenizer's thread pool"] * 64)
     reset_peak()
-    base, anon_base = rss_bytes(), _rss_anon()
-    sampler = _AnonPeak()
-    t0 = time.perf_counter()
-    w = data.windows(corpus, tok, seq, cache_dir=cache)
-    tokenize_s = time.perf_counter() - t0
-    sched = data.Schedule(windows=len(w), micro=8, world=1, accum=1, seed=0)
-    t0 = time.perf_counter()
-    n = 0
-    for step in range(sched.steps_per_epoch):
-        n += data.micro_batch(w, sched.indices(step, 0, 0))["input_ids"].numel()
-    read_s = time.perf_counter() - t0
-    anon_peak = sampler.stop()
+    base, anon_base = rss_bytes(), anon_bytes()
+    with PeakSampler(read=anon_bytes) as anon:
+        t0 = time.perf_counter()
+        w = data.windows(corpus, tok, seq, cache_dir=cache)
+        tokenize_s = time.perf_counter() - t0
+        sched = data.Schedule(windows=len(w), micro=8, world=1, accum=1, seed=0)
+        t0 = time.perf_counter()
+        n = 0
+        for step in range(sched.steps_per_epoch):
+            n += data.micro_batch(w, sched.indices(step, 0, 0))["input_ids"].numel()
+        read_s = time.perf_counter() - t0
+    anon_peak = anon.peak
     print(json.dumps({"windows": len(w), "tokens": n, "tokenize_s": tokenize_s, "read_s": read_s,
                       "rss_growth_bytes": peak_rss_bytes() - base, "anon_growth_bytes": anon_peak - anon_base}))
-
-
-class _AnonPeak:
-    """The peak RssAnon, sampled every 5 ms on a thread (VmHWM also counts the mapped Arrow file's pages)."""
-
-    def __init__(self):
-        import threading
-
-        self.peak, self._done = _rss_anon(), threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._done.wait(0.005):
-            self.peak = max(self.peak, _rss_anon())
-
-    def stop(self) -> int:
-        self._done.set()
-        self._thread.join()
-        return max(self.peak, _rss_anon())
-
-
-def _rss_anon() -> int:
-    """RssAnon: resident memory not backed by a file (memory-mapped Arrow pages are file-backed, reclaimable)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def run(args) -> int:

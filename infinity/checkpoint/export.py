@@ -32,6 +32,20 @@ _ST_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", 
               torch.bool: "BOOL"}
 
 
+def safetensors_header(tensors, metadata: dict) -> bytes:
+    """The start of a safetensors file whose tensors follow back to back in this order: the 8-byte header
+    length, then the JSON header padded with spaces to a multiple of 8. `tensors` is (name, dtype, shape,
+    nbytes) per tensor."""
+    header, pos = {}, 0
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
 def entries(m: Manifest, state: str = "master", *, aliases: bool = True):
     """{state_dict key: (shape, dtype, chunk files as [(file key, stored bytes, bytes to keep)])}, by element size.
 
@@ -202,20 +216,17 @@ def _source_files(source: str | None, out_dir: str) -> list[str]:
 
 
 def _write_safetensors(root, m: Manifest, ents, path):
-    header, offsets, pos = {}, {}, 0
+    offsets, pos, tensors = {}, 0, []
     for key, (shape, dtype, files) in ents.items():
         n = sum(k for _, _, k in files)
-        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+        tensors.append((key, dtype, shape, n))
         offsets[key] = pos
         pos += n
-    header["__metadata__"] = {"format": "pt", "source": "infinity checkpoint", "tag": m.tag,
-                              "global_steps": str(m.engine["global_steps"])}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    prefix = safetensors_header(tensors, {"format": "pt", "source": "infinity checkpoint", "tag": m.tag,
+                                          "global_steps": str(m.engine["global_steps"])})
     stage = torch.empty(PIECE, dtype=torch.uint8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
+        f.write(prefix)
         for key, (shape, dtype, files) in ents.items():
             for (kind, state, name, c), nbytes, keep in files:
                 what = f"{'parameter' if kind == 'param' else 'buffer'} {name}"

@@ -35,11 +35,10 @@ import contextlib
 import json
 import os
 import re
-import struct
 
 import torch
 
-from infinity.checkpoint.export import _ST_DTYPES
+from infinity.checkpoint.export import safetensors_header
 from infinity.checkpoint.layout import fsync_dir
 from infinity.engine.params import managed
 from infinity.engine.zero_init import gathered_parameters
@@ -236,17 +235,10 @@ def _write_shard(engine, shard: list[_Entry], path: str | None, err):
     try:
         if path is not None:
             try:
-                header, pos = {}, 0
-                for e in shard:
-                    header[e.key] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
-                                     "data_offsets": [pos, pos + e.nbytes]}
-                    pos += e.nbytes
-                header["__metadata__"] = {"format": "pt", "source": "infinity engine.save_pretrained"}
-                text = json.dumps(header, separators=(",", ":")).encode()
-                text += b" " * (-len(text) % 8)
+                prefix = safetensors_header([(e.key, e.dtype, e.shape, e.nbytes) for e in shard],
+                                            {"format": "pt", "source": "infinity engine.save_pretrained"})
                 f = open(path, "wb")
-                f.write(struct.pack("<Q", len(text)))
-                f.write(text)
+                f.write(prefix)
             except Exception as exc:  # noqa: BLE001
                 err = exc
         for e in shard:

@@ -18,7 +18,7 @@ import struct
 
 import torch
 
-from infinity.checkpoint.export import _ST_DTYPES
+from infinity.checkpoint.export import _ST_DTYPES, safetensors_header
 from infinity.checkpoint.layout import fsync_dir
 from infinity.engine.params import managed
 from infinity.engine.zero_init import gathered_parameters
@@ -73,23 +73,18 @@ def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = F
         os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, save_filename)
     st_path = path if path.endswith(".safetensors") else path + ".tmp.safetensors"
-    header, pos = {}, 0
+    tensors = []
     for key in names:
         t = state[key]
         out_dtype = dtype if t.is_floating_point() else t.dtype
-        n = t.numel() * torch.empty((), dtype=out_dtype).element_size()
-        header[key] = {"dtype": _ST_DTYPES[out_dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
-        pos += n
-    header["__metadata__"] = {"format": "pt", "source": "infinity save_16bit_model"}
+        tensors.append((key, out_dtype, t.shape, t.numel() * torch.empty((), dtype=out_dtype).element_size()))
     f, err = None, None
     try:
         if engine.rank == 0:
             try:
-                text = json.dumps(header, separators=(",", ":")).encode()
-                text += b" " * (-len(text) % 8)
+                prefix = safetensors_header(tensors, {"format": "pt", "source": "infinity save_16bit_model"})
                 f = open(st_path + ".part", "wb")
-                f.write(struct.pack("<Q", len(text)))
-                f.write(text)
+                f.write(prefix)
             except Exception as exc:  # noqa: BLE001 - every rank raises it below, after the gathers
                 err = exc
         for _, value in _gathered(engine, state):  # every rank joins every gather, whatever rank 0's file does
@@ -107,7 +102,7 @@ def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = F
                 f = None
                 os.replace(st_path + ".part", st_path)
                 if st_path != path:
-                    _to_torch_save(st_path, header, path)
+                    _to_torch_save(st_path, path)
                 fsync_dir(out_dir)
             except Exception as exc:  # noqa: BLE001
                 err = exc
@@ -125,12 +120,14 @@ def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = F
     return True
 
 
-def _to_torch_save(st_path: str, header: dict, out_path: str) -> None:
+def _to_torch_save(st_path: str, out_path: str) -> None:
     """torch.save of tensors mapped (copy-on-write) from the safetensors file: file-backed pages, no copy of
     the model in anonymous memory."""
     dtypes = {v: k for k, v in _ST_DTYPES.items()}
     with open(st_path, "rb") as g:
-        base = 8 + struct.unpack("<Q", g.read(8))[0]
+        n_header = struct.unpack("<Q", g.read(8))[0]
+        header = json.loads(g.read(n_header))
+        base = 8 + n_header
         mm = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_COPY)
     state = {}
     for key, h in header.items():

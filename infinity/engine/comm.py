@@ -133,6 +133,20 @@ class Comm:
         self._run("all_reduce", dist.all_reduce, flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def untimed_all_ok(self):
+        """`all_ok` without the job's comm timeout, as a function to call (the group it makes is reused): for
+        a wait that takes as long as one rank's work does (rank 0 tokenizing a corpus). A rank that dies still
+        breaks the group at once."""
+        if self.world == 1:
+            return lambda ok: ok
+        group = dist.new_group(backend="gloo", timeout=timedelta(days=7))
+
+        def all_ok(ok: bool) -> bool:
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+            self._run("all_reduce", dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=group)
+            return bool(flag.item())
+        return all_ok
+
     def broadcast_object(self, obj, src: int = 0):
         """`obj` of rank `src`, on every rank (small, picklable values only)."""
         if self.world == 1:

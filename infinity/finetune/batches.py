@@ -64,7 +64,7 @@ class TextBatches:
             return train, ev
 
         result, err = None, None
-        all_ok = _patient_all_ok(comm)
+        all_ok = comm.untimed_all_ok()  # tokenizing takes as long as it takes
         for turn in (0, 1):
             if (comm.rank == 0) == (turn == 0):
                 try:
@@ -136,24 +136,6 @@ class TextBatches:
             engine.train()
         engine.comm.all_reduce_(total)
         return (total[0] / total[1]).item()
-
-
-def _patient_all_ok(comm):
-    """`comm.all_ok` over a gloo group without the job's comm timeout: tokenizing a big corpus on rank 0 takes
-    as long as it takes, and the other ranks wait for it (a rank that dies still breaks the group at once)."""
-    if comm.world == 1:
-        return lambda ok: ok
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    group = dist.new_group(backend="gloo", timeout=timedelta(days=7))
-
-    def all_ok(ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        return bool(flag.item())
-    return all_ok
 
 
 def _builtin_rows():

@@ -20,21 +20,19 @@ class Progress:
     def __init__(self, *, total: int, start: int, enabled: bool, every: int | None = None, stream=None):
         self.total, self.start, self.enabled = total, start, enabled
         self.stream = stream or sys.stdout
-        self.tty = self.enabled and self.stream.isatty()
-        self.every = every or max(1, (total - start) // 20 if not self.tty else 1)
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.rate = None  # tokens/s, exponentially smoothed over steps
         self.bar = None
-        if self.tty:
+        if self.enabled and self.stream.isatty():
             try:
                 from tqdm import tqdm
             except ImportError:  # plain lines, as in a log file
-                self.tty = False
-                self.every = every or max(1, (total - start) // 20)
-                return
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=self.stream,
-                            smoothing=0.1)
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=self.stream,
+                                smoothing=0.1)
+        self.every = every or max(1, (total - start) // 20)
 
     def say(self, text: str) -> None:
         if not self.enabled:

@@ -163,10 +163,7 @@ class TensorSwapper:
         pid_file = os.path.join(self.dir, "owner.pid")
         found = [f for f in os.listdir(self.dir) if f.endswith(".swp")]
         if os.path.exists(pid_file):
-            try:
-                owner = int(open(pid_file).read().strip() or "0")
-            except ValueError:
-                owner = 0
+            owner = read_owner(pid_file)
             if owner and owner != os.getpid() and _alive(owner):
                 raise RuntimeError(f"TensorSwapper: {self.dir} is in use by running process {owner}; "
                                    "give each job its own nvme_path")
@@ -522,6 +519,15 @@ def _header_text(part: Partition, crc) -> bytes:
     if len(text) > HEADER:
         raise ValueError(f"partition id {part.id!r} is too long for the swap-file header")
     return text
+
+
+def read_owner(pid_file: str) -> int:
+    """The pid a swap directory's owner.pid names; 0 when it is empty, unreadable or garbled."""
+    try:
+        with open(pid_file) as f:
+            return int(f.read().strip() or "0")
+    except (OSError, ValueError):
+        return 0
 
 
 def _alive(pid: int) -> bool:
