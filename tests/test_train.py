@@ -168,3 +168,14 @@ def test_the_default_swap_dirs_of_killed_runs_are_reclaimed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["infinity-train.fresh", "infinity-train.live",
                                                           "someone-else"]
     assert (mine / "x.swp").exists(), "a live run's swap files are untouched"
+
+
+def test_a_configs_nvme_path_that_the_run_does_not_use_is_named(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": "/local_nvme"}, "offload_optimizer": {"device": "nvme",
+                                                                             "nvme_path": "/local_nvme"}}}))
+    out = train("--model", "gpt-tiny", "--steps", "1", "--seq", "32", "--config", str(cfg), "--out",
+                str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "(removed at the end), not the config's nvme_path /local_nvme; pass --nvme-path DIR to choose" in out.stdout

@@ -109,6 +109,7 @@ def _check_args(args) -> None:
 
 
 def run(args) -> int:
+    user_config = args.config is not None
     if args.config is None:
         from infinity.config.shipped import shipped_config
 
@@ -123,6 +124,8 @@ def run(args) -> int:
     if own_nvme and os.environ.get("RANK", "0") == "0":
         _reclaim_dead_runs(os.environ.get("TMPDIR", "/var/tmp"))
     nvme = args.nvme_path or tempfile.mkdtemp(prefix="infinity-train.", dir=os.environ.get("TMPDIR", "/var/tmp"))
+    if own_nvme and user_config and os.environ.get("RANK", "0") == "0":
+        _say_nvme_path_overridden(args.config, nvme)
     previous = signal.signal(signal.SIGTERM, _sigterm) if _main_thread() else None
     try:
         return _train(args, out, nvme)
@@ -136,6 +139,21 @@ def run(args) -> int:
             signal.signal(signal.SIGTERM, previous)
         if own_nvme:
             shutil.rmtree(nvme, ignore_errors=True)
+
+
+def _say_nvme_path_overridden(config: str, nvme: str) -> None:
+    """--nvme-path (default: a temp dir removed at the end) wins over the config's nvme_path; said once, so a
+    path the user wrote is never dropped without a word."""
+    try:
+        with open(config) as f:
+            zero = json.load(f).get("zero_optimization") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # load_config reports a bad file later, with its own message
+    paths = sorted({(zero.get(k) or {}).get("nvme_path") for k in ("offload_param", "offload_optimizer")
+                    if isinstance(zero.get(k), dict) and zero[k].get("nvme_path")})
+    if paths:
+        print(f"infinity train: swap files go to {nvme} (removed at the end), not the config's nvme_path "
+              f"{', '.join(paths)}; pass --nvme-path DIR to choose", flush=True)
 
 
 def _reclaim_dead_runs(base: str) -> None:
