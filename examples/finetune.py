@@ -42,7 +42,7 @@ def main():
     cfg = infinity.load_config(config, nvme_path=nvme)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-    windows = data.windows(args.data, tokenizer, args.seq)  # tokenized once, cached by `datasets`
+    windows = data.windows(args.data, tokenizer, args.seq)  # tokenized once in a child process, then mapped
 
     with infinity.zero_init(cfg):
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model)

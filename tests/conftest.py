@@ -1,12 +1,25 @@
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 import pytest
 
 from infinity._native_loader import native
 from infinity.io import available_backends
+
+# `datasets`' cache (Arrow conversions, prepared training windows) goes to a temp dir of this session, inherited
+# by every `infinity train` the tests start, and removed at the end: not the user's ~/.cache.
+_HF_CACHE = None
+if "HF_DATASETS_CACHE" not in os.environ:
+    _HF_CACHE = os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="infinity-tests-datasets.")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _HF_CACHE is not None:
+        shutil.rmtree(_HF_CACHE, ignore_errors=True)
+
 
 BACKENDS = available_backends()
 NATIVE_BACKENDS = [b for b in BACKENDS if b != "python"]

@@ -127,24 +127,98 @@ def export(directory, out_path, tag: str | None = None) -> dict:
     return {"path": out_path, "tensors": len(ents), "bytes": total, "left_out": list(m.excluded_frozen)}
 
 
-def export_hf(directory, out_dir, tag: str | None = None, *, max_shard_bytes: int = 5 << 30) -> dict:
+def export_hf(directory, out_dir, tag: str | None = None, *, max_shard_bytes: int = 5 << 30,
+              merge_lora: bool = False) -> dict:
     """A save_pretrained-style directory from a checkpoint of a Hugging Face model: config.json and
     model.safetensors (or model-0000k-of-0000n.safetensors with model.safetensors.index.json), streamed.
-    `from_pretrained(out_dir)` loads the trained weights. Returns {"path", "files", "tensors", "bytes"}."""
+    `from_pretrained(out_dir)` loads the trained weights. A peft model's checkpoint gives its adapter, or with
+    merge_lora the merged model (see [Note: a PEFT checkpoint's export]). Returns {"path", "files", "tensors",
+    "bytes"}."""
     root, m = resolve(directory, tag)
-    if m.excluded_frozen:
-        raise CheckpointError(f"checkpoint {root} was saved with exclude_frozen_parameters, so it lacks "
-                              f"{len(m.excluded_frozen)} frozen weights (e.g. {m.excluded_frozen[0]}); from_pretrained "
-                              "would initialise them at random. Load it into the model built from its base weights "
-                              "and save again without exclude_frozen_parameters")
+    if m.peft is not None:
+        return _export_peft(root, m, out_dir, merge_lora=merge_lora, max_shard_bytes=max_shard_bytes)
+    if merge_lora:
+        raise CheckpointError(f"checkpoint {root} is not of a peft model, so there is no adapter to merge; drop "
+                              "--merge-lora")
+    _refuse_excluded(root, m)
     config = m.hf_config
     if config is None:
         raise CheckpointError(f"checkpoint {root} was not saved from a Hugging Face PreTrainedModel (its manifest has "
                               "no hf_config), so there is no config.json to write; export a state_dict instead: "
                               "infinity checkpoint export DIR model.safetensors")
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    os.makedirs(out_dir, exist_ok=True)
+    return _write_hf(root, m, out_dir, entries(m, aliases=False), stem="model", max_shard_bytes=max_shard_bytes,
+                     config=("config.json", config))
+
+
+def _refuse_excluded(root: str, m: Manifest) -> None:
+    if m.excluded_frozen:
+        raise CheckpointError(f"checkpoint {root} was saved with exclude_frozen_parameters, so it lacks "
+                              f"{len(m.excluded_frozen)} frozen weights (e.g. {m.excluded_frozen[0]}); from_pretrained "
+                              "would initialise them at random. Load it into the model built from its base weights "
+                              "and save again without exclude_frozen_parameters")
+
+
+def _export_peft(root: str, m: Manifest, out_dir, *, merge_lora: bool, max_shard_bytes: int) -> dict:
+    """[Note: a PEFT checkpoint's export]
+    A checkpoint of a peft model records (save.peft_record), taken from the
+    live model when it was saved: the adapter's config, the name peft's
+    `get_peft_model_state_dict` gives each adapter tensor, the base model's
+    name of every other tensor, and for each LoRA-wrapped Linear or Conv1D
+    weight its lora_A, lora_B, scaling and fan_in_fan_out. The adapter export
+    is then a renaming; the merged export adds (B @ A) x scaling (transposed
+    for fan_in_fan_out) to the fp32 weight, as peft's merge does, one weight
+    in memory at a time. What the record says it cannot merge (DoRA,
+    embedding LoRA, modules_to_save) is refused by name."""
+    p = m.peft
+    if "unexportable" in p:
+        raise CheckpointError(f"checkpoint {root} is of a peft model that export cannot write: "
+                              f"{p['unexportable']}; load it into the model and save with engine.save_pretrained")
     ents = entries(m, aliases=False)
+    if not merge_lora:
+        missing = [name for name in p["adapter"] if name not in ents]
+        if missing:
+            raise CheckpointError(f"checkpoint {root} lacks adapter tensor {missing[0]}")
+        config = dict(p["adapter_config"], inference_mode=True)
+        return _write_hf(root, m, out_dir, {p["adapter"][k]: ents[k] for k in p["adapter"]}, stem="adapter_model",
+                         max_shard_bytes=1 << 62, config=("adapter_config.json", config))
+    if p["unmergeable"]:
+        raise CheckpointError(f"checkpoint {root}: the adapter cannot be merged here: {p['unmergeable']}; export the "
+                              "adapter (without --merge-lora) and merge it with peft's merge_and_unload")
+    _refuse_excluded(root, m)
+    if p["base_config"] is None:
+        raise CheckpointError(f"checkpoint {root}: the peft model's base is not a Hugging Face PreTrainedModel, so "
+                              "there is no config.json to write; export the adapter instead")
+    out = {p["merged"][k]: ent for k, ent in ents.items() if k in p["merged"]}
+    stage = torch.empty(PIECE, dtype=torch.uint8)
+
+    def merged(name: str, d: dict):
+        def value() -> torch.Tensor:
+            w, a, b = (_read_tensor(root, ents[k], stage) for k in (name, d["A"], d["B"]))
+            delta = b @ a
+            return w + (delta.T if d["fan_in_fan_out"] else delta) * d["scaling"]
+        return value
+    computed = {p["merged"][k]: merged(k, d) for k, d in p["deltas"].items()}
+    return _write_hf(root, m, out_dir, out, stem="model", max_shard_bytes=max_shard_bytes,
+                     config=("config.json", p["base_config"]), computed=computed)
+
+
+def _read_tensor(root: str, ent, stage: torch.Tensor) -> torch.Tensor:
+    """One whole saved tensor (its chunks' CRCs checked)."""
+    shape, dtype, files = ent
+    buf = bytearray()
+    for (kind, state, name, c), nbytes, keep in files:
+        stream_chunk(chunk_path(root, state, name, c), nbytes, keep, buf.extend, stage, f"{state} of {name}")
+    return torch.frombuffer(buf, dtype=dtype).view(shape) if buf else torch.empty(shape, dtype=dtype)
+
+
+def _write_hf(root: str, m: Manifest, out_dir, ents: dict, *, stem: str, max_shard_bytes: int, config: tuple,
+              computed: dict | None = None) -> dict:
+    """`ents` as stem.safetensors (or stem-0000k-of-0000n.safetensors and an index) beside the config file and
+    the source's tokenizer; every file under a temp name until all are complete."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise NotADirectoryError(f"checkpoint export --hf: {out_dir} is a file; give a directory")
+    os.makedirs(out_dir, exist_ok=True)
     shards, cur, size = [], {}, 0
     for key, ent in ents.items():
         n = sum(k for _, _, k in ent[2])
@@ -154,21 +228,21 @@ def export_hf(directory, out_dir, tag: str | None = None, *, max_shard_bytes: in
         cur[key] = ent
         size += n
     shards.append(cur)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names = ([f"{stem}.safetensors"] if len(shards) == 1 else
+             [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     total = 0
     tmp_paths = []
     try:
         for name, part in zip(names, shards):
             tmp = os.path.join(out_dir, name + ".tmp")
             tmp_paths.append(tmp)
-            n, _ = _write_safetensors(root, m, part, tmp)
+            n, _ = _write_safetensors(root, m, part, tmp, computed)
             total += n
-        writes = [(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2, sort_keys=True) + "\n")]
+        writes = [(os.path.join(out_dir, config[0]), json.dumps(config[1], indent=2, sort_keys=True) + "\n")]
         if len(shards) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {k: name for name, part in zip(names, shards) for k in part}}
-            writes.append((os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2) + "\n"))
+            writes.append((os.path.join(out_dir, f"{stem}.safetensors.index.json"), json.dumps(index, indent=2) + "\n"))
         for path, text in writes:
             with open(path + ".tmp", "w") as f:
                 f.write(text)
@@ -215,7 +289,10 @@ def _source_files(source: str | None, out_dir: str) -> list[str]:
     return files
 
 
-def _write_safetensors(root, m: Manifest, ents, path):
+def _write_safetensors(root, m: Manifest, ents, path, computed: dict | None = None):
+    """ents streamed into one safetensors file; a key in `computed` is written as computed[key]() instead
+    (finite, or refused)."""
+    computed = computed or {}
     offsets, pos, tensors = {}, 0, []
     for key, (shape, dtype, files) in ents.items():
         n = sum(k for _, _, k in files)
@@ -228,6 +305,12 @@ def _write_safetensors(root, m: Manifest, ents, path):
     with open(path, "wb") as f:
         f.write(prefix)
         for key, (shape, dtype, files) in ents.items():
+            if key in computed:
+                value = computed[key]().to(dtype).contiguous()
+                if not torch.isfinite(value).all():
+                    raise CheckpointError(f"checkpoint export: {key} is not finite (NaN or inf); refusing to write it")
+                f.write(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+                continue
             for (kind, state, name, c), nbytes, keep in files:
                 what = f"{'parameter' if kind == 'param' else 'buffer'} {name}"
                 stream_chunk(chunk_path(root, state, name, c), nbytes, keep, f.write, stage, what)
@@ -292,6 +375,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--hf", metavar="OUT_DIR", help="write a Hugging Face model directory instead (config.json and "
                    "model.safetensors, sharded above --max-shard-size), for from_pretrained(OUT_DIR)")
     e.add_argument("--max-shard-size", default="5GiB", help="with --hf: the largest safetensors file (default 5GiB)")
+    e.add_argument("--merge-lora", action="store_true", help="with --hf, for a peft model's checkpoint: write the "
+                   "base model with the LoRA deltas merged in (default: the adapter)")
     e.add_argument("--tag", help="checkpoint tag (default: the one DIR/latest names)")
     i = sub.add_parser("info", help="summarise what a checkpoint holds")
     i.add_argument("dir")
@@ -307,11 +392,13 @@ def run(args) -> int:
         from infinity.units import parse_size
 
         r = export_hf(args.dir, args.hf, args.tag,
-                      max_shard_bytes=parse_size(args.max_shard_size, name="--max-shard-size"))
-        print(f"wrote {r['path']}: config.json and {len(r['files'])} safetensors file(s), {r['tensors']} tensors, "
-              f"{r['bytes'] / 2**20:.1f} MiB")
+                      max_shard_bytes=parse_size(args.max_shard_size, name="--max-shard-size"),
+                      merge_lora=args.merge_lora)
+        print(f"wrote {r['path']}: {', '.join(r['files'])}; {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB")
         return 0
     if args.action == "export":
+        if args.merge_lora:
+            raise SystemExit("infinity checkpoint export: --merge-lora goes with --hf OUT_DIR")
         if not args.out:
             raise SystemExit("infinity checkpoint export: give an output file (NAME.safetensors or NAME.pt) or "
                              "--hf OUT_DIR")

@@ -186,6 +186,9 @@ class Manifest:
     """The Hugging Face model's config (for `checkpoint export --hf`); None for any other module."""
     hf_source: str | None = None
     """The directory the Hugging Face model was loaded from, when known: export --hf copies its tokenizer."""
+    peft: dict | None = None
+    """For a peft model: its adapter's config and names, and how each adapted weight merges (save.peft_record);
+    None for any other module."""
     config: dict = field(default_factory=dict)
     """The engine config it was saved with (as JSON)."""
     excluded_frozen: tuple[str, ...] = ()
@@ -228,6 +231,7 @@ class Manifest:
                    client_state_pickle=_take(d, "client_state_pickle", str, root, default=None),
                    hf_config=_take(d, "hf_config", (dict, type(None)), root, default=None),
                    hf_source=_take(d, "hf_source", (str, type(None)), root, default=None),
+                   peft=_take(d, "peft", (dict, type(None)), root, default=None),
                    config=_take(d, "config", dict, root, default={}),
                    excluded_frozen=tuple(excluded), moments_dtype=moments)
 

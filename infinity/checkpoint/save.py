@@ -147,6 +147,7 @@ def manifest(engine, tag: str, client_state, *, exclude_frozen: bool = False) ->
                     "frozen": not mp.trainable} for mp in store.params if mp.trainable or not exclude_frozen],
         "hf_config": hf_config(engine.module),
         "hf_source": hf_source(engine.module),
+        "peft": peft_record(engine.module, {mp.name for mp in store.params} | set(extras)),
         "aliases": aliases(engine.module),
         "extras": [{"name": k, "shape": list(v.shape), "dtype": name_of(v.dtype)}
                    for k, v in extras.items()],
@@ -183,6 +184,61 @@ def hf_config(module) -> dict | None:
     if mu is None or not isinstance(module, mu.PreTrainedModel):
         return None
     return json.loads(module.config.to_json_string())
+
+
+def peft_record(module, names: set) -> dict | None:
+    """For a peft model, what `checkpoint export --hf` needs to write its adapter or the merged model without
+    peft's modules (see [Note: a PEFT checkpoint's export]); None for any other module."""
+    if not (hasattr(module, "peft_config") and hasattr(module, "get_base_model")):
+        return None
+    from peft import get_peft_model_state_dict
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapter_name = getattr(module, "active_adapter", "default")
+    adapter_name = adapter_name if isinstance(adapter_name, str) else adapter_name[0]
+    state = module.state_dict(keep_vars=True)
+    name_of = {id(t): k for k, t in state.items()}
+    adapter = {}
+    for key, t in get_peft_model_state_dict(module, state_dict=state, adapter_name=adapter_name).items():
+        if name_of.get(id(t)) not in names:
+            return _no_peft_export(f"peft gives {key} as a tensor that is not one of the model's own")
+        adapter[name_of[id(t)]] = key
+    prefix = "base_model.model."  # where peft's tuner keeps the base model inside the PeftModel
+    if not all(k.startswith(prefix) for k in state):
+        return _no_peft_export(f"its state_dict keys do not all start with {prefix!r} (a peft type other than a "
+                               "LoRA-style tuner)")
+    deltas, unmergeable = {}, None
+    if any(".modules_to_save." in k for k in state):
+        unmergeable = "it has modules_to_save, whose trained copies this merge does not place"
+    for mname, sub in module.named_modules():
+        if not isinstance(sub, BaseTunerLayer):
+            continue
+        if adapter_name in getattr(sub, "lora_A", {}) and not getattr(sub, "use_dora", {}).get(adapter_name) and \
+                isinstance(sub.get_base_layer().weight, torch.Tensor):
+            deltas[f"{mname}.base_layer.weight"] = {
+                "A": f"{mname}.lora_A.{adapter_name}.weight", "B": f"{mname}.lora_B.{adapter_name}.weight",
+                "scaling": float(sub.scaling[adapter_name]), "fan_in_fan_out": bool(getattr(sub, "fan_in_fan_out",
+                                                                                              False)),
+                "kind": type(sub.get_base_layer()).__name__}
+            if deltas[f"{mname}.base_layer.weight"]["kind"] not in ("Linear", "Conv1D"):
+                unmergeable = f"{mname} wraps a {deltas[f'{mname}.base_layer.weight']['kind']}"
+        else:
+            unmergeable = f"{mname} is a {type(sub).__name__} adapter (embedding LoRA, DoRA or another tuner)"
+    merged = {k: k[len(prefix):].replace(".base_layer.", ".") for k in state if "lora_" not in k}
+    config = module.peft_config[adapter_name].to_dict()
+    return {"adapter_name": adapter_name, "adapter_config": json.loads(json.dumps(config, default=_peft_json)),
+            "adapter": adapter, "merged": merged, "deltas": deltas, "unmergeable": unmergeable,
+            "base_config": hf_config(module.get_base_model())}
+
+
+def _peft_json(o):
+    """json.dumps' default for a peft config: sets (target_modules) as sorted lists, enums as their value."""
+    return sorted(o) if isinstance(o, (set, frozenset)) else str(o)
+
+
+def _no_peft_export(reason: str) -> dict:
+    """The record of a peft model that export cannot write as an adapter: it says why."""
+    return {"unexportable": reason}
 
 
 def hf_source(module) -> str | None:

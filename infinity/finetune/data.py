@@ -10,9 +10,17 @@
   `{"role", "content"}`). Labels are the tokens themselves, except that
   prompts and every non-assistant turn are masked (-100): the loss is on
   what the model should write.
-- **Tokenize once.** `Dataset.map` with the model's tokenizer. `datasets`
-  caches the result under a fingerprint of the data and the function, so
-  a second run over the same file with the same tokenizer reads the cache.
+- **Tokenize once, in another process.** The rows are tokenized with
+  `Dataset.map` and cut into windows in a child process, which writes one
+  Arrow file (`windows.arrow`) and `meta.json` into a cache entry named by
+  a hash of the data file (path, size, mtime), the tokenizer (its
+  serialized form, chat template and special tokens), `seq`, the packing
+  and this format's version. The trainer then memory-maps that file.
+  Parsing JSON and tokenizing leave tens of MiB in allocator arenas
+  (pyarrow's mimalloc, the tokenizer's) that are never given back; in the
+  child they go when it exits, so the training process grows by the
+  mapping's bookkeeping only, whatever the corpus size. A second run with
+  the same inputs finds the entry and starts no child.
 - **Chat masks.** A conversation is rendered by the tokenizer's own chat
   template. The assistant's tokens are found by rendering it turn by turn:
   the tokens turn i adds after the prompt that asks for it
@@ -22,7 +30,9 @@
   is refused with its index.
 - **Windows.** Packing concatenates rows and cuts `seq`-token windows
   (the tail of each map batch that does not fill a window is dropped);
-  padding keeps one row per window, truncated, with an attention mask.
+  padding keeps one row per window, truncated, with an attention mask. A
+  window with no token to learn (every label after the first masked: a
+  prompt longer than `seq`) is dropped in the same pass.
 - **Order.** Each epoch is a permutation of the windows drawn from
   `seed + epoch`; optimizer step s takes the next `micro x world x accum`
   windows, and rank r's micro-batch k is the (k x world + r)-th slice of
@@ -33,6 +43,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 
@@ -169,42 +181,174 @@ def chat_tokens(tokenizer, messages, *, row: int, path: str) -> tuple[list[int],
     return ids, labels
 
 
-def pack(tokens, seq: int):
-    """Rows concatenated and cut into windows of `seq` tokens (per map batch; the unfilled tail is dropped)."""
+def _learnable(labels) -> bool:
+    """A window trains something: a label after the first one (which nothing predicts) is not masked."""
+    return any(x != IGNORE for x in labels[1:])
+
+
+def pack(tokens, seq: int, *, cache_file_name: str | None = None):
+    """Rows concatenated and cut into windows of `seq` tokens (per map batch; the unfilled tail is dropped);
+    windows with nothing to learn are dropped."""
     def fn(batch):
         ids = [t for row in batch["input_ids"] for t in row]
         labels = [t for row in batch["labels"] for t in row]
-        n = len(ids) // seq * seq
-        return {"input_ids": [ids[i:i + seq] for i in range(0, n, seq)],
-                "labels": [labels[i:i + seq] for i in range(0, n, seq)]}
-    return tokens.map(fn, batched=True, batch_size=1000, remove_columns=tokens.column_names, desc=f"packing {seq}")
+        out = {"input_ids": [], "labels": []}
+        for i in range(0, len(ids) // seq * seq, seq):
+            if _learnable(labels[i:i + seq]):
+                out["input_ids"].append(ids[i:i + seq])
+                out["labels"].append(labels[i:i + seq])
+        return out
+    return tokens.map(fn, batched=True, batch_size=1000, remove_columns=tokens.column_names, desc=f"packing {seq}",
+                      cache_file_name=cache_file_name)
 
 
-def pad(tokens, seq: int, pad_id: int):
-    """One row per window: truncated to `seq`, padded with `pad_id`, labels and attention mask off on padding."""
+def pad(tokens, seq: int, pad_id: int, *, cache_file_name: str | None = None):
+    """One row per window: truncated to `seq`, padded with `pad_id`, labels and attention mask off on padding;
+    windows with nothing to learn are dropped."""
     def fn(batch):
         out = {"input_ids": [], "labels": [], "attention_mask": []}
         for ids, labels in zip(batch["input_ids"], batch["labels"]):
             ids, labels = ids[:seq], labels[:seq]
+            if not _learnable(labels):
+                continue
             n = len(ids)
             out["input_ids"].append(ids + [pad_id] * (seq - n))
             out["labels"].append(labels + [IGNORE] * (seq - n))
             out["attention_mask"].append([1] * n + [0] * (seq - n))
         return out
-    return tokens.map(fn, batched=True, remove_columns=tokens.column_names, desc=f"padding to {seq}")
+    return tokens.map(fn, batched=True, remove_columns=tokens.column_names, desc=f"padding to {seq}",
+                      cache_file_name=cache_file_name)
 
 
-def windows(path: str, tokenizer, seq: int, *, packed: bool | None = None, cache_dir: str | None = None) -> Windows:
-    """The file or datasets directory `path` as training windows (see [Note: fine-tuning data])."""
+FORMAT = 1
+"""The version of what a prepared entry holds; part of its key, so a change here never reads an old entry."""
+
+
+def windows(path: str, tokenizer, seq: int, *, packed: bool | None = None, cache_dir: str | None = None,
+            isolate: bool = True) -> Windows:
+    """The file or datasets directory `path` as training windows, prepared once into a cache entry under
+    `cache_dir` (default: `datasets`' cache) and memory-mapped from there. isolate=True prepares it in a child
+    process (see [Note: fine-tuning data]); False does it here (tests, notebooks)."""
+    import datasets
+
+    if not os.path.exists(path):
+        raise DataError(f"--data {path}: no such file or directory")
     plain = os.path.isfile(path) and os.path.splitext(path)[1].lower() in (".txt", ".text")
-    return windows_of(load_rows(path, cache_dir=cache_dir), tokenizer, seq, source=path, plain_lines=plain,
-                      packed=packed)
+    root = os.path.join(cache_dir or str(datasets.config.HF_DATASETS_CACHE), "infinity-windows")
+    entry = os.path.join(root, _entry_key(path, tokenizer, seq, packed, plain))
+    if not os.path.exists(os.path.join(entry, "meta.json")):
+        _prepare(entry, path, tokenizer, seq, packed=packed, plain=plain, cache_dir=cache_dir, isolate=isolate)
+    return open_entry(entry)
+
+
+def open_entry(entry: str) -> Windows:
+    """A prepared entry, memory-mapped."""
+    import datasets
+
+    with open(os.path.join(entry, "meta.json")) as f:
+        meta = json.load(f)
+    ds = datasets.Dataset.from_file(os.path.join(entry, "windows.arrow"))
+    return Windows(dataset=ds.with_format("torch"), source=meta["source"], shape=meta["shape"],
+                   tokens=meta["tokens"], seq=meta["seq"], packed=meta["packed"])
+
+
+def _entry_key(path: str, tokenizer, seq: int, packed: bool | None, plain: bool) -> str:
+    h = hashlib.sha256(repr((FORMAT, seq, packed, plain)).encode())
+    path = os.path.abspath(path)
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
+    for f in files:
+        st = os.stat(f)
+        h.update(repr((f, st.st_size, st.st_mtime_ns)).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(type(tokenizer).__name__.encode())
+    h.update(backend.to_str().encode() if backend is not None else
+             repr(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(repr((getattr(tokenizer, "chat_template", None), tokenizer.all_special_tokens, tokenizer.bos_token_id,
+                   tokenizer.eos_token_id, tokenizer.pad_token_id, getattr(tokenizer, "add_bos_token", None),
+                   getattr(tokenizer, "add_eos_token", None))).encode())
+    return h.hexdigest()[:24]
+
+
+def _prepare(entry: str, path: str, tokenizer, seq: int, *, packed, plain: bool, cache_dir, isolate: bool) -> None:
+    """Build the entry in a temp dir beside it, then rename it into place (a concurrent run that got there first
+    wins; its entry is the same)."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    root = os.path.dirname(entry)
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(entry) + ".", dir=root)
+    try:
+        job = {"path": path, "seq": seq, "packed": packed, "plain": plain, "cache_dir": cache_dir, "out": tmp}
+        if isolate:
+            tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+            import infinity
+
+            env = dict(os.environ)
+            home = os.path.dirname(os.path.dirname(os.path.abspath(infinity.__file__)))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (home, env.get("PYTHONPATH")) if p)
+            done = subprocess.run([sys.executable, "-c", "import sys; from infinity.finetune.data import _child; "
+                                   "_child(sys.argv[1])", json.dumps(job)], env=env, stdin=subprocess.DEVNULL)
+            failed = os.path.join(tmp, "error.json")
+            if os.path.exists(failed):
+                with open(failed) as f:
+                    raise DataError(json.load(f)["message"])
+            if done.returncode != 0:
+                raise RuntimeError(f"--data {path}: preparing the windows failed in the child process (exit "
+                                   f"{done.returncode}); its output is above")
+            shutil.rmtree(os.path.join(tmp, "tokenizer"))
+        else:
+            _build_entry(job, tokenizer)
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not os.path.exists(os.path.join(entry, "meta.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_entry(job: dict, tokenizer) -> None:
+    import time
+
+    from infinity.memory_stats import peak_rss_bytes
+
+    t0 = time.perf_counter()
+    rows = load_rows(job["path"], cache_dir=job["cache_dir"])
+    w = windows_of(rows, tokenizer, job["seq"], source=job["path"], plain_lines=job["plain"], packed=job["packed"],
+                   into=os.path.join(job["out"], "windows.arrow"))
+    meta = {"source": w.source, "shape": w.shape, "tokens": w.tokens, "seq": w.seq, "packed": w.packed,
+            "windows": len(w), "format": FORMAT,
+            "prepared": {"seconds": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes()}}
+    with open(os.path.join(job["out"], "meta.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def _child(job_json: str) -> None:
+    """The child process of `_prepare`: build the entry; a DataError goes back as error.json (its message is the
+    user's fix), anything else as a traceback and a non-zero exit."""
+    import sys
+
+    import transformers
+
+    job = json.loads(job_json)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(job["out"], "tokenizer"))
+    try:
+        _build_entry(job, tokenizer)
+    except DataError as exc:
+        with open(os.path.join(job["out"], "error.json"), "w") as f:
+            json.dump({"message": str(exc)}, f)
+        sys.exit(1)
 
 
 def windows_of(rows, tokenizer, seq: int, *, source: str, plain_lines: bool = False,
-               packed: bool | None = None) -> Windows:
-    """Rows (a `datasets.Dataset`) as training windows. packed=None packs plain text and pads the rest (a
-    prompt or a conversation cut across two windows would train on half an answer)."""
+               packed: bool | None = None, into: str | None = None) -> Windows:
+    """Rows (a `datasets.Dataset`) as training windows, written to the Arrow file `into` when given.
+    packed=None packs plain text and pads the rest (a prompt or a conversation cut across two windows would
+    train on half an answer)."""
     if len(rows) == 0:
         raise DataError(f"--data {source}: no rows")
     shape = row_shape(rows.column_names, source)
@@ -212,41 +356,40 @@ def windows_of(rows, tokenizer, seq: int, *, source: str, plain_lines: bool = Fa
         packed = shape == "text"
     toks = tokenize(rows, tokenizer, shape, path=source, plain_lines=plain_lines)
     if packed:
-        out = pack(toks, seq)
+        out = pack(toks, seq, cache_file_name=into)
     else:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             raise DataError(f"--data {source}: padding needs a pad or EOS token, and the tokenizer has neither; "
                             "use --packing on")
-        out = pad(toks, seq, pad_id)
-    # A window whose every target is masked (a prompt longer than --seq) has no loss: 0/0 in the model.
-    out = out.filter(lambda b: [any(x != IGNORE for x in labels[1:]) for labels in b["labels"]], batched=True,
-                     desc="dropping windows with nothing to learn")
+        out = pad(toks, seq, pad_id, cache_file_name=into)
     if len(out) == 0:
         raise DataError(f"--data {source}: {len(rows)} rows give not one --seq {seq} window with a token to learn; "
                         "give more text, a smaller --seq, or shorter prompts")
     if packed:
         tokens = len(out) * seq
     else:
-        counts = out.map(lambda b: {"n": [sum(m) for m in b["attention_mask"]]}, batched=True,
-                         remove_columns=out.column_names, desc="counting tokens")
-        tokens = sum(counts["n"])
+        import pyarrow.compute as pc
+
+        tokens = int(pc.sum(pc.list_flatten(out.data.column("attention_mask"))).as_py())
     return Windows(dataset=out.with_format("torch"), source=source, shape=shape, tokens=tokens, seq=seq,
                    packed=packed)
 
 
 def split(w: Windows, fraction: float, seed: int) -> tuple[Windows, Windows]:
-    """(train, eval): a seeded `fraction` of the windows held out for evaluation."""
+    """(train, eval): a seeded `fraction` of the windows held out for evaluation (index maps kept in memory:
+    the prepared entry is never written to)."""
     n_eval = int(round(len(w) * fraction))
     if not 0 < n_eval < len(w):
         raise DataError(f"--eval-fraction {fraction}: {len(w)} windows give {n_eval} for evaluation; need at least "
                         "one on each side")
-    parts = w.dataset.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
+    order = torch.randperm(len(w), generator=torch.Generator().manual_seed(seed)).tolist()
     per = w.tokens / len(w)
-    return (Windows(dataset=parts["train"], source=w.source, shape=w.shape, tokens=int(per * len(parts["train"])),
-                    seq=w.seq, packed=w.packed),
-            Windows(dataset=parts["test"], source=w.source, shape=w.shape, tokens=int(per * n_eval), seq=w.seq,
-                    packed=w.packed))
+
+    def part(idx):
+        return Windows(dataset=w.dataset.select(sorted(idx), keep_in_memory=True), source=w.source, shape=w.shape,
+                       tokens=int(per * len(idx)), seq=w.seq, packed=w.packed)
+    return part(order[n_eval:]), part(order[:n_eval])
 
 
 class Schedule:

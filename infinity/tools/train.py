@@ -256,6 +256,7 @@ def _train(args, out: Path, nvme: str) -> int:
     from infinity.engine import initialize, zero_init
     from infinity.engine.comm import init_distributed
     from infinity.finetune import model as fmodel
+    from infinity.memory_stats import PeakSampler, rss_bytes
     from infinity.models import build_model
 
     src = fmodel.resolve(args.model)
@@ -294,11 +295,14 @@ def _train(args, out: Path, nvme: str) -> int:
     data = _data(args, src, tokenizer, seq, vocab, comm, micro=micro, accum=accum)
     steps = _steps(args, data)
     torch.manual_seed(args.seed)
-    with zero_init(cfg):
+    load = {"start_rss_bytes": rss_bytes()}
+    t0 = time.perf_counter()
+    with PeakSampler() as sampled, zero_init(cfg):
         if src.kind == "preset":
             model, _, _, _ = build_model(args.model)
         else:
             model = fmodel.build(src)
+    load.update(peak_rss_bytes=sampled.peak, seconds=time.perf_counter() - t0)
     if args.lora:
         torch.manual_seed(args.seed)
         model = fmodel.LoraSpec.parse(args.lora).apply(model)
@@ -307,7 +311,7 @@ def _train(args, out: Path, nvme: str) -> int:
         lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup)))
     engine = initialize(model, cfg, lr_scheduler=schedule)
     try:
-        return _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, baseline, nvme)
+        return _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, baseline, nvme, load)
     finally:
         engine.close()
 
@@ -362,7 +366,7 @@ def _steps(args, data) -> int:
     return max(1, int(per_epoch * (args.epochs or 1)))
 
 
-def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, baseline, nvme) -> int:
+def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, baseline, nvme, load) -> int:
     from infinity.finetune.progress import Progress
 
     rank, world = engine.rank, engine.world_size
@@ -381,7 +385,7 @@ def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, bas
                        "trained_numel": trained, "world": world, "micro_batch": micro, "accumulation": accum,
                        "seq": seq, "steps": steps, "param_tier": str(engine.store.tier),
                        "optimizer_tier": str(engine.optimizer.tier), "baseline_rss_bytes": baseline,
-                       "swap_bytes_after_setup": _dir_bytes(nvme)}, f, indent=2)
+                       "swap_bytes_after_setup": _dir_bytes(nvme), "load": load}, f, indent=2)
     start = _resume(args, engine, seq, rank)
     progress = Progress(total=steps, start=start, enabled=rank == 0, every=args.log_every)
     metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None
