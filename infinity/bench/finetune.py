@@ -77,7 +77,7 @@ def _stream_child(model_dir: str, corpus: str, seq: int, cache: str) -> None:
             n += data.micro_batch(w, sched.indices(step, 0, 0))["input_ids"].numel()
         read_s = time.perf_counter() - t0
     anon_peak = anon.peak
-    [meta] = glob.glob(os.path.join(cache, "infinity-windows", "*", "meta.json"))
+    meta = max(glob.glob(os.path.join(cache, "infinity-windows", "*", "meta.json")), key=os.path.getmtime)
     with open(meta) as f:
         prepared = json.load(f)["prepared"]
     print(json.dumps({"windows": len(w), "tokens": n, "prepare_s": prepare_s, "read_s": read_s,

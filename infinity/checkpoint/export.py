@@ -194,7 +194,7 @@ def _export_peft(root: str, m: Manifest, out_dir, *, merge_lora: bool, max_shard
     def merged(name: str, d: dict):
         def value() -> torch.Tensor:
             w, a, b = (_read_tensor(root, ents[k], stage) for k in (name, d["A"], d["B"]))
-            delta = b @ a
+            delta = (b.float() @ a.float()).to(w.dtype)
             return w + (delta.T if d["fan_in_fan_out"] else delta) * d["scaling"]
         return value
     computed = {p["merged"][k]: merged(k, d) for k, d in p["deltas"].items()}

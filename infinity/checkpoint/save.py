@@ -188,9 +188,17 @@ def hf_config(module) -> dict | None:
 
 def peft_record(module, names: set) -> dict | None:
     """For a peft model, what `checkpoint export --hf` needs to write its adapter or the merged model without
-    peft's modules (see [Note: a PEFT checkpoint's export]); None for any other module."""
+    peft's modules (see [Note: a PEFT checkpoint's export]); None for any other module. It never stops a save:
+    a model it cannot describe is recorded as one that export refuses, with the reason."""
     if not (hasattr(module, "peft_config") and hasattr(module, "get_base_model")):
         return None
+    try:
+        return _peft_record(module, names)
+    except Exception as exc:  # noqa: BLE001 - the checkpoint itself is still good
+        return _no_peft_export(f"describing the peft model failed ({type(exc).__name__}: {exc})")
+
+
+def _peft_record(module, names: set) -> dict:
     from peft import get_peft_model_state_dict
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -213,6 +221,10 @@ def peft_record(module, names: set) -> dict | None:
     for mname, sub in module.named_modules():
         if not isinstance(sub, BaseTunerLayer):
             continue
+        if getattr(sub, "merged", False):
+            unmergeable = f"{mname} already has an adapter merged into its weight"
+        elif getattr(sub, "lora_bias", {}).get(adapter_name):
+            unmergeable = f"{mname} has a LoRA bias (lora_bias=True), which this merge does not add"
         if adapter_name in getattr(sub, "lora_A", {}) and not getattr(sub, "use_dora", {}).get(adapter_name) and \
                 isinstance(sub.get_base_layer().weight, torch.Tensor):
             deltas[f"{mname}.base_layer.weight"] = {

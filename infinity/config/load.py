@@ -40,6 +40,7 @@ def load_config(source, *, nvme_path: str | os.PathLike | None = None) -> Config
                               optimizer_given="optimizer" in raw)
     cfg = _legacy(cfg)
     cfg = _partial_offload(cfg, notes)
+    cfg = _param_offload_below_stage3(cfg, notes)
     _check_semantics(cfg)
     _check_paths(cfg)
     if notes.ignored:
@@ -283,14 +284,23 @@ def _partial_offload(cfg: Config, notes: _Notes) -> Config:
         zero, offload_optimizer=dataclasses.replace(off, ratio=1.0)))
 
 
+def _param_offload_below_stage3(cfg: Config, notes: _Notes) -> Config:
+    """offload_param below stage 3: DeepSpeed ignores it (only stage 3 partitions parameters), so it is
+    accepted, said to have no effect, and read as device "none"."""
+    zero = cfg.zero_optimization
+    if zero.offload_param.device == "none" or zero.stage == 3:
+        return cfg
+    notes.ignored.append(f"zero_optimization.offload_param (device {zero.offload_param.device!r} at stage "
+                         f"{zero.stage}: only stage 3 partitions the parameters, so they stay whole in memory, as "
+                         "in DeepSpeed)")
+    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(
+        zero, offload_param=dataclasses.replace(zero.offload_param, device="none")))
+
+
 def _check_semantics(cfg: Config) -> None:
     zero = cfg.zero_optimization
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 are both enabled; enable one of them")
-    if zero.offload_param.device != "none" and zero.stage != 3:
-        raise ConfigError("zero_optimization.offload_param",
-                          f"parameter offload needs zero_optimization.stage = 3 (it is {zero.stage}): "
-                          "only stage 3 partitions the parameters")
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer",
                           "optimizer offload needs zero_optimization.stage >= 1")

@@ -266,18 +266,19 @@ DEEPSPEED_ACCEPTED = {
     "": {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
          "dump_state", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "amp",
          "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
-         "communication_data_type", "zero_force_ds_cpu_optimizer", "data_types", "memory_breakdown"},
+         "communication_data_type", "zero_force_ds_cpu_optimizer", "data_types", "memory_breakdown",
+         "hybrid_engine"},
     "zero_optimization": {"allgather_partitions", "allgather_bucket_size", "reduce_scatter",
                           "round_robin_gradients", "ignore_unused_parameters",
                           "elastic_checkpoint", "zero_hpz_partition_size", "zero_quantized_weights",
                           "zero_quantized_gradients", "load_from_fp32_weights",
                           "memory_efficient_linear", "stage3_module_granularity_threshold", "mics_shard_size",
-                          "log_trace_cache_warnings", "offload_param_nvme_path"},
+                          "log_trace_cache_warnings", "offload_param_nvme_path", "zenflow"},
     "fp16": {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"},
     "bf16": {"immediate_grad_update", "check_grad_overflow"},
     "aio": {"use_gds"},
     "optimizer.params": {"torch_adam", "fused"},
-    "zero_optimization.offload_optimizer": {"max_in_cpu"},
+    "zero_optimization.offload_optimizer": {"max_in_cpu", "super_offload", "cpuadam_cores_perc"},
 }
 
 # Why an accepted key has no effect here (said once, with the key). Keys not listed get the generic reason.
@@ -300,6 +301,17 @@ INERT_REASONS = {
     "zero_optimization.ignore_unused_parameters": "a parameter without a gradient is stepped with a zero gradient",
     "optimizer.params.torch_adam": "the CPU Adam kernel is always used (same math as torch.optim.AdamW)",
     "optimizer.params.fused": "the CPU Adam kernel is always used (same math as torch.optim.AdamW)",
+    "hybrid_engine": "it is off; infinity has no inference engine to switch to (RLHF generation runs the "
+                     "training model)",
+    "zero_optimization.zenflow": "the step here is exact AdamW on every parameter at every step; ZenFlow's "
+                                 "deferred, stale updates of low-importance columns would change the result, and "
+                                 "the overlap it buys is what the pipelined NVMe/CPU step already does",
+    "zero_optimization.offload_optimizer.super_offload": "the step here is exact AdamW on every parameter at every "
+                                                         "step; SuperOffload's speculative step and rollback would "
+                                                         "change when updates land, and the overlap it buys is what "
+                                                         "the pipelined CPU/NVMe step already does",
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": "the CPU Adam uses the cores torch.get_num_threads() "
+                                                              "gives it (set OMP_NUM_THREADS to limit them)",
 }
 
 # Accepted keys that would change training when switched on, which infinity does not do: refused then.
@@ -310,4 +322,6 @@ REFUSED_WHEN_ON = {
     "fp16.fp16_master_weights_and_grads": "master weights are always fp32; remove it",
     "fp16.auto_cast": "inputs are cast to the compute dtype by the engine; remove it",
     "sparse_gradients": "sparse gradients are not supported; remove it",
+    "hybrid_engine": "DeepSpeed's hybrid engine (inference kernels for RLHF generation) is not supported; set "
+                     "hybrid_engine.enabled to false and generate with the training model",
 }

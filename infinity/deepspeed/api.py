@@ -9,7 +9,8 @@ import torch
 
 from infinity.deepspeed.config import script_config
 
-_SUPPORTED = "torch.optim.Adam, torch.optim.AdamW, a callable making one of them, or the config's optimizer section"
+_SUPPORTED = ("torch.optim.Adam, torch.optim.AdamW, deepspeed.ops.adam.DeepSpeedCPUAdam or FusedAdam, a callable "
+              "making one of them, or the config's optimizer section")
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -29,6 +30,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("deepspeed.initialize: mpu/mesh_param (model parallelism) are not supported; infinity is "
                          "data parallel with ZeRO partitioning")
     raw = script_config(args, config, config_params)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        init_distributed()  # the one-rank group DeepSpeed's initialize leaves; several ranks: the engine joins
     groups = _groups(optimizer, model_parameters, raw, model)
     engine = engine_initialize(model, raw, model_parameters=groups, lr_scheduler=lr_scheduler)
     loader = None
@@ -60,10 +63,12 @@ def _groups(optimizer, model_parameters, raw: dict, model):
         if d.get(key):
             raise ValueError(f"deepspeed.initialize: the optimizer sets {key}=True, which infinity's Adam does not "
                              f"do; supported: {_SUPPORTED} without it")
-    adamw = isinstance(optimizer, torch.optim.AdamW)
+    # torch's AdamW, Adam(decoupled_weight_decay=True), DeepSpeedCPUAdam/FusedAdam with adamw_mode: AdamW
+    adamw = isinstance(optimizer, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay"))
     raw["optimizer"] = {"type": "AdamW" if adamw else "Adam",
                         "params": {"lr": float(d["lr"]), "betas": list(d["betas"]), "eps": float(d["eps"]),
-                                   "weight_decay": float(d["weight_decay"]), "adam_w_mode": adamw}}
+                                   "weight_decay": float(d["weight_decay"]), "adam_w_mode": adamw,
+                                   "bias_correction": bool(d.get("bias_correction", True))}}
     return [{"params": list(g["params"]), "lr": g["lr"], "betas": tuple(g["betas"]), "eps": g["eps"],
              "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
 
@@ -105,14 +110,27 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      distributed_port: int = 29500, verbose: bool = True, timeout=timedelta(minutes=30),
                      init_method=None, dist_init_required=None, config=None, rank: int = -1, world_size: int = -1):
     """Join the process group the launcher describes (torchrun's or deepspeed's environment): gloo on CPU,
-    NCCL on CUDA, or dist_backend."""
+    NCCL on CUDA, or dist_backend. Without a launcher, a one-rank group (in-process store, no port), as
+    DeepSpeed always leaves one: scripts call torch.distributed.get_rank() and barrier() at any world size."""
+    import torch.distributed as dist
+
     from infinity.engine.comm import init_distributed as join
 
+    if dist.is_initialized():
+        return
     if world_size > 1 and "WORLD_SIZE" not in os.environ:
         os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), MASTER_PORT=str(distributed_port))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     join(seconds, backend=dist_backend)
+    if not dist.is_initialized():
+        # CPU tensors through gloo and, on a GPU, CUDA tensors through NCCL: a script's barrier() or all_reduce
+        # of either kind works.
+        backend = dist_backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        if "nccl" in backend:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=seconds))
 
 
 def add_config_arguments(parser):

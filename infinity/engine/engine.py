@@ -27,6 +27,7 @@ from infinity.engine.comm import init_distributed
 from infinity.engine.hooks import ParamHooks
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.memory import CONSTRUCTION, set_mmap_threshold
+from infinity.engine.module_surface import ModuleSurface
 from infinity.engine.optimizer import ShardedAdam, shards_in_state
 from infinity.engine.params import ParamStore, managed
 from infinity.engine.zero_init import current_store
@@ -85,7 +86,7 @@ class StepReport:
         return self.optimizer_write_bytes + self.param_write_bytes
 
 
-class Engine:
+class Engine(ModuleSurface):
     """A model whose parameters, gradients and optimizer state are partitioned and offloaded per the config."""
 
     def __init__(self, model: torch.nn.Module, cfg: Config, store: ParamStore, optimizer: ShardedAdam,

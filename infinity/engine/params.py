@@ -181,6 +181,59 @@ def managed(t) -> ManagedParam | None:
     return getattr(t, "_infinity", None)
 
 
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's names for whether a ZeRO-3 parameter's full value exists (`param.ds_status`)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+class PartitionedParameter(torch.nn.Parameter):
+    """[Note: DeepSpeed's ZeRO-3 attributes]
+    A stage-3 managed parameter is an nn.Parameter of this class, so scripts
+    written for DeepSpeed find the attributes they test: `hasattr(p,
+    "ds_id")` is how DeepSpeed-Chat and others decide to gather before they
+    save. Each is read from the ManagedParam at the moment it is asked, so it
+    is never stale:
+    - ds_id: the registration index; ds_numel, ds_shape: the full size;
+    - ds_status: AVAILABLE while the full value is in `param.data`, else
+      NOT_AVAILABLE;
+    - ds_tensor: this rank's partition: the shard itself in a RAM home, or,
+      in an NVMe home (the shard is in the swap file), a meta tensor of the
+      partition's shape, which any read of values refuses.
+    The class is set in ParamStore.adopt on a plain nn.Parameter only (a
+    subclass such as a quantized one keeps its own class)."""
+
+    @property
+    def ds_id(self) -> int:
+        return self._infinity.index
+
+    @property
+    def ds_numel(self) -> int:
+        return self._infinity.numel
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return self._infinity.shape
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        return (ZeroParamStatus.AVAILABLE if self._infinity.status is ParamStatus.GATHERED
+                else ZeroParamStatus.NOT_AVAILABLE)
+
+    @property
+    def ds_persist(self) -> bool:
+        return self._infinity.persistent
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        mp = self._infinity
+        if mp.shard is not None:
+            return mp.shard
+        return torch.empty(mp.part, dtype=mp.swap_dtype or self.dtype, device="meta")
+
+
 class ParamStore:
     """The shards of every managed parameter of one rank, and gather / release / write-back."""
 
@@ -240,6 +293,8 @@ class ParamStore:
         mp.home = self._home_for(mp)
         self._store_shard(mp, self.shard_of(mp, param))
         param._infinity = mp
+        if self.stage == 3 and type(param) is torch.nn.Parameter:
+            param.__class__ = PartitionedParameter  # DeepSpeed's ds_* attributes ([Note: DeepSpeed's ZeRO-3 attributes])
         self.params.append(mp)
         if mp.persistent:
             self.live_elements += numel

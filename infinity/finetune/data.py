@@ -123,7 +123,7 @@ def row_shape(columns, path: str) -> str:
                     "'completion', or chat 'messages' (a list of {'role', 'content'})")
 
 
-def tokenize(rows, tokenizer, shape: str, *, path: str, plain_lines: bool):
+def tokenize(rows, tokenizer, shape: str, *, path: str, plain_lines: bool, cache_file_name: str | None = None):
     """Rows of `input_ids` and `labels` (unpadded, any length), through `Dataset.map` (cached)."""
     if shape == "chat" and not getattr(tokenizer, "chat_template", None):
         raise DataError(f"--data {path}: chat 'messages' need the tokenizer's chat template, and this tokenizer has "
@@ -154,7 +154,7 @@ def tokenize(rows, tokenizer, shape: str, *, path: str, plain_lines: bool):
                 out["labels"].append(labels)
             return out
     return rows.map(fn, batched=True, with_indices=shape == "chat", remove_columns=rows.column_names,
-                    desc="tokenizing")
+                    desc="tokenizing", cache_file_name=cache_file_name)
 
 
 def _render(tokenizer, messages, **kw) -> list[int]:
@@ -255,8 +255,9 @@ def open_entry(entry: str) -> Windows:
 def _entry_key(path: str, tokenizer, seq: int, packed: bool | None, plain: bool) -> str:
     h = hashlib.sha256(repr((FORMAT, seq, packed, plain)).encode())
     path = os.path.abspath(path)
+    # A datasets directory: its files, not the cache files a map over it may have written beside them.
     files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
+        os.path.join(d, f) for d, _, names in os.walk(path) for f in names if not f.startswith(("cache-", "tmp")))
     for f in files:
         st = os.stat(f)
         h.update(repr((f, st.st_size, st.st_mtime_ns)).encode())
@@ -290,6 +291,7 @@ def _prepare(entry: str, path: str, tokenizer, seq: int, *, packed, plain: bool,
             env = dict(os.environ)
             home = os.path.dirname(os.path.dirname(os.path.abspath(infinity.__file__)))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (home, env.get("PYTHONPATH")) if p)
+            job["fast"] = bool(getattr(tokenizer, "is_fast", False))  # the child loads the same kind
             done = subprocess.run([sys.executable, "-c", "import sys; from infinity.finetune.data import _child; "
                                    "_child(sys.argv[1])", json.dumps(job)], env=env, stdin=subprocess.DEVNULL)
             failed = os.path.join(tmp, "error.json")
@@ -298,7 +300,7 @@ def _prepare(entry: str, path: str, tokenizer, seq: int, *, packed, plain: bool,
                     raise DataError(json.load(f)["message"])
             if done.returncode != 0:
                 raise RuntimeError(f"--data {path}: preparing the windows failed in the child process (exit "
-                                   f"{done.returncode}); its output is above")
+                                   f"{done.returncode}); its output, if any, is above")
             shutil.rmtree(os.path.join(tmp, "tokenizer"))
         else:
             _build_entry(job, tokenizer)
@@ -323,6 +325,10 @@ def _build_entry(job: dict, tokenizer) -> None:
     meta = {"source": w.source, "shape": w.shape, "tokens": w.tokens, "seq": w.seq, "packed": w.packed,
             "windows": len(w), "format": FORMAT,
             "prepared": {"seconds": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes()}}
+    del w
+    tokens = os.path.join(job["out"], "tokens.arrow")
+    if os.path.exists(tokens):
+        os.unlink(tokens)
     with open(os.path.join(job["out"], "meta.json"), "w") as f:
         json.dump(meta, f)
 
@@ -335,7 +341,8 @@ def _child(job_json: str) -> None:
     import transformers
 
     job = json.loads(job_json)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(job["out"], "tokenizer"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(job["out"], "tokenizer"),
+                                                           use_fast=job.get("fast", True))
     try:
         _build_entry(job, tokenizer)
     except DataError as exc:
@@ -354,7 +361,10 @@ def windows_of(rows, tokenizer, seq: int, *, source: str, plain_lines: bool = Fa
     shape = row_shape(rows.column_names, source)
     if packed is None:
         packed = shape == "text"
-    toks = tokenize(rows, tokenizer, shape, path=source, plain_lines=plain_lines)
+    # With `into`, the tokenized rows go beside it (removed by the caller), never into the data's own directory
+    # (a save_to_disk dataset's cache files would land there) or datasets' cache.
+    toks = tokenize(rows, tokenizer, shape, path=source, plain_lines=plain_lines,
+                    cache_file_name=None if into is None else os.path.join(os.path.dirname(into), "tokens.arrow"))
     if packed:
         out = pack(toks, seq, cache_file_name=into)
     else:

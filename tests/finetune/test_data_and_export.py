@@ -101,6 +101,15 @@ def test_every_input_format_gives_the_windows_of_the_same_rows(files, tmp_path):
     for path in ("rows.parquet", "saved", "saved_dict"):
         got = fdata.windows(str(tmp_path / path), tok, 64, cache_dir=cache, isolate=False)
         assert rows_of(got) == want, path
+    # A datasets directory in a child process: nothing is written into it, and the second run reuses the entry.
+    before = sorted(os.listdir(tmp_path / "saved"))
+    first = fdata.windows(str(tmp_path / "saved"), tok, 48, cache_dir=cache)
+    assert sorted(os.listdir(tmp_path / "saved")) == before
+    entries = set(os.listdir(os.path.join(cache, "infinity-windows")))
+    again = fdata.windows(str(tmp_path / "saved"), tok, 48, cache_dir=cache)
+    assert set(os.listdir(os.path.join(cache, "infinity-windows"))) == entries and rows_of(again) == rows_of(first)
+    assert not any(f.startswith("tokens") for e in entries for f in os.listdir(os.path.join(cache, "infinity-windows",
+                                                                                            e)))
     # .txt: one document cut into lines, newlines kept, no special tokens: the windows are that token stream.
     lines = [t.replace("\n", " ") for t in texts[:40]]
     (tmp_path / "doc.txt").write_text("".join(t + "\n" for t in lines))

@@ -1,0 +1,1 @@
+"""deepspeed.runtime: the pieces of DeepSpeed's runtime that scripts import by path."""
