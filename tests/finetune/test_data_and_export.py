@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -26,12 +25,7 @@ datasets = pytest.importorskip("datasets", reason="datasets is not installed (ma
 from infinity.finetune import data as fdata  # noqa: E402
 from infinity.testing.tiny_hf import make_model_dir, write_corpus  # noqa: E402
 
-INFINITY = [sys.executable, "-m", "infinity"]
-FP32_NVME = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 20000,
-                                   "offload_param": {"device": "nvme", "buffer_count": 4, "buffer_size": 40000},
-                                   "offload_optimizer": {"device": "nvme", "buffer_count": 3}},
-             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}},
-             "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": 4}
+from .test_train_hf import INFINITY, config  # noqa: E402 - the same command and config as there
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +33,6 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("ftd")
     return {"llama": make_model_dir(str(root / "llama"), "llama"), "gpt2": make_model_dir(str(root / "gpt2"), "gpt2"),
             "text": write_corpus(str(root / "text.jsonl"), rows=120), "root": root}
-
-
-def config(tmp_path, **over) -> str:
-    cfg = json.loads(json.dumps(FP32_NVME))
-    cfg.update(over)
-    path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
 
 
 def run(*args, timeout=400):
