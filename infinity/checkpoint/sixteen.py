@@ -32,21 +32,23 @@ def _entries(engine, exclude_frozen: bool) -> dict:
             if not (exclude_frozen and isinstance(t, torch.nn.Parameter) and not t.requires_grad)}
 
 
-def _gathered(engine, entries: dict):
-    """(key, tensor) for each entry, gathered one at a time: on rank 0 its value on the host in the compute dtype,
-    elsewhere None. Every rank must iterate to the end (each gather is a collective)."""
+def _gathered(engine, entries: dict, *, every_rank: bool = False):
+    """(key, tensor) for each entry, gathered one at a time: on rank 0 (on every rank with every_rank) its value on
+    the host in the compute dtype, elsewhere None. Every rank must iterate to the end (each gather is a
+    collective)."""
     dtype = engine.store.dtype
     for key, t in entries.items():
         ctx = gathered_parameters(t) if managed(t) is not None else contextlib.nullcontext()
         with ctx:
-            yield key, (t.detach().to(HOST, dtype if t.is_floating_point() else t.dtype) if engine.rank == 0
-                        else None)
+            yield key, (t.detach().to(HOST, dtype if t.is_floating_point() else t.dtype)
+                        if every_rank or engine.rank == 0 else None)
 
 
-def consolidated_state_dict(engine, *, exclude_frozen: bool = False) -> dict:
-    """The full state_dict in the compute dtype on rank 0 (an empty dict elsewhere), gathered one parameter at a
-    time, as DeepSpeed's engine._zero3_consolidated_16bit_state_dict gives it. Call it on every rank. It holds the
-    whole model in rank 0's host memory; save_16bit_model streams to a file instead."""
+def consolidated_state_dict(engine, *, exclude_frozen: bool = False, every_rank: bool = False) -> dict:
+    """The full state_dict in the compute dtype on rank 0 (an empty dict elsewhere; with every_rank, on every
+    rank: engine.state_dict()), gathered one parameter at a time, as DeepSpeed's
+    engine._zero3_consolidated_16bit_state_dict gives it. Call it on every rank. It holds the whole model in host
+    memory; save_16bit_model streams to a file instead."""
     entries = _entries(engine, exclude_frozen)
     first: dict = {}  # tied weights (one tensor under several keys) are gathered and kept once
     unique = {}
@@ -54,8 +56,8 @@ def consolidated_state_dict(engine, *, exclude_frozen: bool = False) -> dict:
         if id(t) not in first:
             first[id(t)] = key
             unique[key] = t
-    kept = {key: value.clone() for key, value in _gathered(engine, unique) if value is not None}
-    return {key: kept[first[id(t)]] for key, t in entries.items()} if engine.rank == 0 else {}
+    kept = {key: value.clone() for key, value in _gathered(engine, unique, every_rank=every_rank) if value is not None}
+    return {key: kept[first[id(t)]] for key, t in entries.items()} if every_rank or engine.rank == 0 else {}
 
 
 def save_16bit(engine, save_dir, save_filename: str, *, exclude_frozen: bool = False) -> bool:

@@ -65,26 +65,19 @@ class ModuleSurface:
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict:
-        """The module's state_dict with every value true: partitioned parameters are gathered one at a time
-        and copied out (a collective: every rank calls it, every rank gets the dict)."""
-        from infinity.engine.params import managed
-        from infinity.engine.zero_init import gathered_parameters
+        """The module's state_dict with every value true, in the compute dtype: partitioned parameters are
+        gathered one at a time and copied out (a collective: every rank calls it, every rank gets the dict)."""
+        from infinity.checkpoint.sixteen import consolidated_state_dict
 
         out = OrderedDict() if destination is None else destination
-        copies: dict[int, torch.Tensor] = {}  # tied weights: one copy, under every name
-        for key, t in self.module.state_dict(keep_vars=True).items():
-            if exclude_frozen_parameters and isinstance(t, torch.nn.Parameter) and not t.requires_grad:
-                continue
-            if keep_vars:
-                out[prefix + key] = t
-                continue
-            if id(t) not in copies:
-                if managed(t) is not None:
-                    with gathered_parameters([t]):
-                        copies[id(t)] = t.detach().clone()
-                else:
-                    copies[id(t)] = t.detach()
-            out[prefix + key] = copies[id(t)]
+        if keep_vars:
+            state = self.module.state_dict(keep_vars=True)
+            skip = exclude_frozen_parameters
+            state = {k: t for k, t in state.items()
+                     if not (skip and isinstance(t, torch.nn.Parameter) and not t.requires_grad)}
+        else:
+            state = consolidated_state_dict(self, exclude_frozen=exclude_frozen_parameters, every_rank=True)
+        out.update((prefix + k, v) for k, v in state.items())
         return out
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
