@@ -294,6 +294,8 @@ INERT_REASONS = {
     "prescale_gradients": "gradients are averaged in fp32, where the order does not matter",
     "gradient_predivide_factor": "gradients are averaged in fp32, where the order does not matter",
     "communication_data_type": "gradients are reduced in fp32",
+    "data_types": "gradients are accumulated and reduced in fp32 (DeepSpeed's grad_accum_dtype defaults to bf16 "
+                  "with bf16; README: Losses against DeepSpeed)",
     "zero_optimization.allgather_bucket_size": "parameters are gathered one at a time, ahead of use",
     "zero_optimization.allgather_partitions": "parameters are gathered one at a time, ahead of use",
     "zero_optimization.reduce_scatter": "gradients are always reduce-scattered",
