@@ -195,6 +195,49 @@ def _sigterm(signum, frame):
     raise Terminated()
 
 
+class StopBetweenSteps:
+    """[Note: Ctrl-C stops between steps]
+    Ctrl-C in a terminal signals every rank at once (and SIGTERM reaches each rank through the launcher). A
+    KeyboardInterrupt raised wherever each rank happens to be would let one rank leave the step while another
+    waits in a collective for it: that rank then hangs until the collective times out (seen once in 15 runs of
+    the 2-rank Ctrl-C test). So, while the loop runs, the first SIGINT or SIGTERM only asks for a stop: each
+    rank finishes its step, the ranks agree on the request in one all-reduce (any rank's request stops all of
+    them), and all raise together, between steps, where nothing is in flight. A second signal stops at once.
+    Rank 0 says so when the first one arrives."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.requested = 0  # the signal number of the first request, 0 for none
+        self._previous = {}
+
+    def __enter__(self) -> "StopBetweenSteps":
+        if _main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.requested:
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        self.requested = signum
+        if self.comm.rank == 0:
+            _stop_line("infinity train: stopping after this step (send the signal again to stop now)")
+
+    def check(self) -> None:
+        """Raise the agreed stop (KeyboardInterrupt, or Terminated for SIGTERM) on every rank, or return."""
+        import torch
+
+        flag = torch.tensor([self.requested], dtype=torch.int64)
+        self.comm.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX)
+        signum = int(flag.item())
+        if signum:
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
 def _main_thread() -> bool:
     import threading
 
@@ -392,20 +435,24 @@ def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, bas
     rows, step, saved = [], start, None
     model_dir = None
     try:
-        for step in range(start, steps):
-            row = _one_step(engine, data, step, accum)
-            row.update(peak_rss_bytes=_peak_rss(), baseline_rss_bytes=baseline)
-            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 != steps and data.eval is not None:
-                row["eval_loss"] = data.evaluate(engine)
-            if step + 1 == steps and data.eval is not None:
-                row["eval_loss"] = data.evaluate(engine)
-            rows.append(row)
-            if metrics is not None:
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-            progress.update(row)
-            if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
-                saved = _save(args, engine, tokenizer, src, step + 1, seq, out, progress, final=step + 1 == steps)
+        with StopBetweenSteps(engine.comm) as stop:  # [Note: Ctrl-C stops between steps]
+            for step in range(start, steps):
+                row = _one_step(engine, data, step, accum)
+                row.update(peak_rss_bytes=_peak_rss(), baseline_rss_bytes=baseline)
+                every = args.eval_every and (step + 1) % args.eval_every == 0
+                if every and step + 1 != steps and data.eval is not None:
+                    row["eval_loss"] = data.evaluate(engine)
+                if step + 1 == steps and data.eval is not None:
+                    row["eval_loss"] = data.evaluate(engine)
+                rows.append(row)
+                if metrics is not None:
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                progress.update(row)
+                if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == steps):
+                    saved = _save(args, engine, tokenizer, src, step + 1, seq, out, progress, final=step + 1 == steps)
+                if step + 1 != steps:
+                    stop.check()
         if src.kind != "preset" and rows:
             model_dir = out / "final"
             engine.save_pretrained(model_dir, tokenizer=tokenizer, merge_lora=args.merge_lora)
