@@ -77,7 +77,8 @@ def get_ds_config(args):
     ds_config = {
         "train_batch_size": 16,
         "steps_per_print": 2000,
-        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+        "optimizer": {"type": "Adam",
+                      "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
                                                      "warmup_num_steps": 1000}},
         "gradient_clipping": 1.0,

@@ -48,6 +48,21 @@ def test_cli_example_trains_and_generates(extra, tiny, tmp_path, disk_dir):
     assert out.stdout.strip().splitlines()[-1].strip(), "a generated line"
 
 
+def test_trainer_example_trains_checkpoints_and_saves_a_model_that_loads(tiny, tmp_path, disk_dir):
+    import transformers
+
+    model, data = tiny
+    out = subprocess.run([sys.executable, str(EXAMPLES / "trainer.py"), "--model", model, "--data", data, "--out",
+                          str(tmp_path / "out"), "--steps", "2", "--seq", "64", "--nvme-path", str(disk_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"model written to {tmp_path / 'out'}" in out.stdout
+    assert (tmp_path / "out" / "checkpoint-2" / "infinity").is_dir(), "the Trainer's checkpoint holds the engine's"
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert not any(disk_dir.rglob("*.swp"))
+
+
 def test_bench_finetune_smoke(tmp_path):
     import json
 

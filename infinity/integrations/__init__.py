@@ -1,0 +1,1 @@
+"""Integrations with other libraries' training loops: `infinity.integrations.transformers.InfinityTrainer`."""

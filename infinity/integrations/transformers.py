@@ -1,0 +1,427 @@
+"""`transformers.Trainer` on infinity's engine: `InfinityTrainer`.
+
+    trainer = InfinityTrainer(model="path/or/model-id", args=TrainingArguments(...), infinity_config="ds.json",
+                              train_dataset=..., processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model()          # a Hugging Face directory, gathered from the partitions
+
+[Note: the Trainer's loop, the engine's step]
+The Trainer keeps its own loop (batching, accumulation, callbacks, logging, evaluation, checkpoint rotation);
+the engine takes the four places where a model's parameters, gradients and optimizer are touched:
+- the model: built under `zero_init` (a path is streamed into partitions) or partitioned at `initialize`;
+  the engine is what the loop calls forward on (`_wrap_model`), and nothing wraps it in DDP, because the
+  engine reduce-scatters gradients itself;
+- backward: the Trainer's own `training_step` normalises the loss (by the accumulation steps, or by the
+  items in the batch when the model takes them) and ends in `accelerator.backward`, which this trainer's
+  accelerator routes to `engine.backward(scale_wrt_gas=False)` with the accumulation boundary the loop
+  decided (a short last accumulation of an epoch included);
+- clipping and the step: the Trainer's `max_grad_norm` is the engine's `gradient_clipping`, applied in the
+  engine's step; the norm the Trainer logs is the engine's pre-clip norm, filled in when the step has run;
+- the optimizer and scheduler: the Trainer's own `create_optimizer` builds the torch optimizer its arguments
+  ask for (its decay/no-decay groups, lr, betas, eps), and the engine's CPU Adam takes it over as a client
+  optimizer (anything but Adam/AdamW is refused by name). The Trainer's scheduler (or the config's
+  `scheduler` section) drives the lr of the engine's groups; it does not advance on an fp16 step the engine
+  skipped.
+Checkpoints are the Trainer's directories (`checkpoint-N`, with its trainer state, RNG and scheduler files,
+rotated by `save_total_limit`), holding the Hugging Face model (`save_model`) and the engine's own checkpoint
+under `infinity/`, from which `train(resume_from_checkpoint=...)` resumes exactly.
+
+"auto" in the config is filled from TrainingArguments as Hugging Face fills it for DeepSpeed, and a value
+written in the config that disagrees with TrainingArguments is an error naming both; a key the config lacks
+takes the TrainingArguments value (so `max_grad_norm` clips even when the config has no gradient_clipping).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from infinity.config import ConfigError
+
+if not all(hasattr(Trainer, name) for name in ("_prepare_for_training", "_run_epoch", "_get_grad_norm")):
+    import transformers as _transformers
+
+    raise ImportError(f"infinity.integrations.transformers needs transformers >= 5.0 (its Trainer's loop in "
+                      f"_prepare_for_training/_run_epoch); this is {_transformers.__version__}: pip install "
+                      f"'infinity[hf]' brings a tested one")
+
+ENGINE_DIR = "infinity"
+"""Where a Trainer checkpoint keeps the engine's checkpoint (checkpoint-N/infinity/...)."""
+
+_SCHEDULER_NAME = "scheduler.pt"
+_TRAINING_ARGS_NAME = "training_args.bin"
+
+
+class InfinityTrainer(Trainer):
+    """A `transformers.Trainer` whose model, backward and optimizer step run on infinity's engine (ZeRO
+    stages 0-3, parameters and optimizer state on the device, CPU or NVMe, as `infinity_config` says).
+
+    model: a model, or a path or model id built under `zero_init` with `model_class.from_pretrained` (its
+    weights streamed into partitions; `model_init_kwargs` go to from_pretrained). infinity_config: a
+    DeepSpeed-style config, as a path or a dict. Everything else is the Trainer's. It overrides only the
+    Trainer's hooks named in [Note: the Trainer's loop, the engine's step], so a trainer that keeps the
+    Trainer's loop can put it first in its bases (`class MySFT(InfinityTrainer, SFTTrainer)`)."""
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *args_rest, infinity_config=None,
+                 model_class=None, model_init_kwargs: dict | None = None, **kwargs):
+        if args_rest:
+            raise TypeError("InfinityTrainer: pass the Trainer's arguments after `args` by keyword")
+        if args is None:
+            args = TrainingArguments(output_dir="trainer_output")
+        refuse_unsupported(args, kwargs)
+        raw = load_raw(infinity_config)
+        fill_from_training_args(raw, args)
+        self._raw_config = raw
+        self._engine = None
+        if isinstance(model, (str, os.PathLike)):
+            model = _from_pretrained(str(model), raw, model_class, model_init_kwargs or {})
+        super().__init__(model=model, args=args, **kwargs)
+        self._norm = None
+        self._engine = self._build_engine()
+        self.model_wrapped = self._engine
+
+    # --------------------------------------------------------------- the engine
+
+    @property
+    def engine(self):
+        """The infinity Engine that trains the model."""
+        return self._engine
+
+    def _build_engine(self):
+        from infinity.deepspeed.api import _groups
+        from infinity.engine.engine import initialize
+
+        raw = copy.deepcopy(self._raw_config)
+        optimizer_section = raw.pop("optimizer", None)
+        torch_opt = Trainer.create_optimizer(self)  # the optimizer the Trainer's arguments ask for
+        self.optimizer = None
+        if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
+            optim = getattr(self.args.optim, "value", self.args.optim)
+            raise ValueError(f"InfinityTrainer: TrainingArguments.optim={optim!r} makes the optimizer "
+                             f"{type(torch_opt).__name__}; the engine's optimizer is Adam/AdamW, so use "
+                             "optim='adamw_torch_fused' (the default) or 'adamw_torch'")
+        if optimizer_section is not None:
+            _check_optimizer_section(optimizer_section, torch_opt)
+        groups = _groups(torch_opt, None, raw, self.model)
+        engine = initialize(self.model, raw, model_parameters=groups)
+        if engine.gas != self.args.gradient_accumulation_steps:
+            raise ConfigError("gradient_accumulation_steps", f"the engine accumulates {engine.gas} micro-batches "
+                              f"and TrainingArguments {self.args.gradient_accumulation_steps}; make them agree")
+        return engine
+
+    def create_optimizer(self, model=None):
+        if self._engine is None:  # during Trainer.__init__ nothing is built yet
+            return None
+        if self.optimizer is None:
+            self.optimizer = EngineOptimizer(self._engine, self)
+        return self.optimizer
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # The loop would enter accelerate's no_sync (the engine's, refused at ZeRO-2/3) for all but the last
+        # micro-batch of an accumulation; the engine reduce-scatters each micro-batch's gradients as backward
+        # produces them, so every micro-batch is a "sync" one to the loop.
+        state = self.accelerator.gradient_state
+        state.plugin_kwargs = dict(state.plugin_kwargs, sync_each_batch=True)
+        # The Trainer's training_step (and a subclass's around it, e.g. TRL's) normalises the loss and ends in
+        # accelerator.backward: this trainer's accelerator hands that loss to the engine.
+        self.accelerator.backward = self._engine_backward
+
+    def _engine_backward(self, loss, **kwargs) -> None:
+        """The loss as the Trainer normalised it (by the accumulation steps, or by the items in the batch when
+        the model takes them), backward through the engine, at the accumulation boundary the loop decided."""
+        unknown = set(kwargs) - {"retain_graph"}
+        if unknown:
+            raise ValueError(f"InfinityTrainer: backward({', '.join(sorted(unknown))}=...) is not supported by the "
+                             "engine")
+        self._engine.set_gradient_accumulation_boundary(self.accelerator.gradient_state.sync_gradients)
+        self._engine.backward(loss, scale_wrt_gas=False, retain_graph=bool(kwargs.get("retain_graph", False)))
+
+    def _move_model_to_device(self, model, device):
+        """The engine places the parameters (partitions on their tier, the compute copy on the device)."""
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        return self._engine if self._engine is not None else model
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        """No autocast: the engine's compute dtype (bf16/fp16 from the config or TrainingArguments) is it."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        self.create_optimizer()
+        self._create_engine_scheduler(max_steps)
+        self.model_wrapped = self._engine
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self._engine, train_dataloader
+
+    def _create_engine_scheduler(self, max_steps: int) -> None:
+        section = self._raw_config.get("scheduler")
+        if section is None:
+            self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
+            sched = self.lr_scheduler
+        else:
+            from infinity.config.load import load_config
+            from infinity.optim.schedules import build_scheduler
+
+            section = fill_scheduler(copy.deepcopy(section), self.args, max_steps)
+            cfg = load_config({"scheduler": section})
+            sched = build_scheduler(cfg.scheduler, self._engine.optimizer)
+        self.lr_scheduler = _StepsUnlessSkipped(sched, self._engine)
+        self._created_lr_scheduler = True
+
+    # ------------------------------------------------------ backward and step
+
+    def _clip_grad_norm(self, model):
+        """The engine clips in its step (gradient_clipping = max_grad_norm); see _get_grad_norm."""
+        return None
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The engine's pre-clip global norm, written into this tensor by the step that follows."""
+        self._norm = torch.full((), float("nan"))
+        return self._norm
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self._engine.save_checkpoint(output_dir, tag=ENGINE_DIR, save_latest=False)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """The weights come back with the engine's checkpoint (_load_optimizer_and_scheduler)."""
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_DIR)):
+            raise ValueError(f"InfinityTrainer: {resume_from_checkpoint} has no {ENGINE_DIR}/ (the engine's "
+                             "checkpoint); resume from a checkpoint InfinityTrainer wrote, or start from its "
+                             "model with model=<that directory>")
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return
+        self._load_from_checkpoint(checkpoint)
+        self._engine.load_checkpoint(checkpoint, tag=ENGINE_DIR)
+        path = os.path.join(checkpoint, _SCHEDULER_NAME)
+        if os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A Hugging Face directory (config, safetensors shards, the tokenizer when there is one), gathered one
+        parameter at a time by engine.save_pretrained. Every rank must call it; rank 0 writes."""
+        output_dir = output_dir or self.args.output_dir
+        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
+        self._engine.save_pretrained(output_dir, tokenizer=tokenizer)
+        if self.args.should_save:
+            torch.save(self.args, os.path.join(output_dir, _TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        if state_dict is not None:
+            raise ValueError("InfinityTrainer._save: the weights are partitioned; save_model() gathers them")
+        self.save_model(output_dir, _internal_call=True)
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """What the Trainer's loop calls `optimizer`: its param_groups are the engine's (so a torch lr scheduler
+    built on it sets the lr the engine's Adam uses), step() is engine.step() at the boundary the Trainer
+    decided, zero_grad() is the engine's (it has already zeroed after its step)."""
+
+    def __init__(self, engine, trainer):
+        self.engine = engine
+        self._trainer = trainer
+        self.defaults = engine.optimizer.defaults
+        self.param_groups = engine.optimizer.param_groups
+        self.state = {}
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("EngineOptimizer.step: a closure is not supported (the engine steps once per "
+                             "accumulation boundary)")
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if self._trainer._norm is not None and norm is not None:
+            self._trainer._norm.fill_(float(norm))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the engine zeroes its gradient buffers after each step
+
+    def state_dict(self):
+        raise RuntimeError("InfinityTrainer: the optimizer state is partitioned (and may be on NVMe); it is saved "
+                           "with the engine's checkpoint under checkpoint-N/infinity/")
+
+    def load_state_dict(self, state_dict):
+        raise RuntimeError("InfinityTrainer: the optimizer state loads with the engine's checkpoint "
+                           "(train(resume_from_checkpoint=...))")
+
+    @property
+    def overflow(self) -> bool:
+        return bool(getattr(self.engine.optimizer, "overflow", False))
+
+
+class _StepsUnlessSkipped:
+    """The scheduler the Trainer steps: it does not advance after an fp16 step the engine skipped (the
+    DeepSpeed engine's rule), and otherwise is the scheduler itself."""
+
+    def __init__(self, scheduler, engine):
+        self.scheduler = scheduler
+        self.engine = engine
+
+    def step(self, *args, **kwargs):
+        if getattr(self.engine.optimizer, "overflow", False):
+            return
+        self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)
+
+
+# -------------------------------------------------------------- config from TrainingArguments
+
+# TrainingArguments that would be silently ignored or fight the engine, with what to do instead.
+_REFUSED = {
+    "deepspeed": "InfinityTrainer is the engine; put the DeepSpeed config in infinity_config= instead",
+    "fsdp": "the engine partitions the model (ZeRO-3); drop fsdp and set zero_optimization.stage in infinity_config",
+    "fsdp_config": "the engine partitions the model; drop fsdp_config",
+    "torch_compile": "the engine's gather/release hooks run around every module's forward; turn torch_compile off",
+    "auto_find_batch_size": "the engine's batch sizes are fixed at build time; set per_device_train_batch_size",
+    "load_best_model_at_end": "loading the best checkpoint back into the engine is not supported yet; pick the "
+                              "checkpoint-N directory yourself (its HF model loads with from_pretrained)",
+    "use_liger_kernel": "Liger's kernels patch the model's modules, which the engine's hooks wrap; turn it off",
+}
+
+
+def refuse_unsupported(args: TrainingArguments, kwargs: dict) -> None:
+    for name, fix in _REFUSED.items():
+        value = getattr(args, name, None)
+        if value not in (None, False, "", [], {}):
+            raise ValueError(f"InfinityTrainer: TrainingArguments.{name}={value!r} is not supported: {fix}")
+    if args.n_gpu > 1:
+        raise ValueError(f"InfinityTrainer: {args.n_gpu} GPUs in one process (DataParallel) is not supported; "
+                         "launch one process per GPU with torchrun")
+    if kwargs.get("optimizers", (None, None)) != (None, None) or kwargs.get("optimizer_cls_and_kwargs"):
+        raise ValueError("InfinityTrainer: optimizers=/optimizer_cls_and_kwargs= are not supported: the engine's "
+                         "Adam owns the optimizer state; set learning_rate, adam_beta1/2, adam_epsilon, "
+                         "weight_decay and lr_scheduler_type in TrainingArguments (or the config's sections)")
+    if kwargs.get("model_init") is not None:
+        raise ValueError("InfinityTrainer: model_init= (hyper-parameter search) is not supported; pass model=")
+    if getattr(args, "save_safetensors", True) is False:
+        raise ValueError("InfinityTrainer: save_safetensors=False is not supported: save_model writes safetensors "
+                         "shards")
+
+
+def load_raw(infinity_config) -> dict:
+    if infinity_config is None:
+        raise ValueError("InfinityTrainer: infinity_config is required: a DeepSpeed-style config as a path or a "
+                         "dict, e.g. {'zero_optimization': {'stage': 3, 'offload_optimizer': {'device': 'cpu'}}}")
+    if isinstance(infinity_config, dict):
+        return copy.deepcopy(infinity_config)
+    with open(infinity_config) as f:
+        return json.load(f)
+
+
+def fill_from_training_args(raw: dict, args: TrainingArguments) -> None:
+    """Fill "auto" (and absent) values from TrainingArguments as Hugging Face fills them for DeepSpeed; a
+    written value that disagrees is collected, and all of them raised at once, naming both sides."""
+    mismatches = []
+    world = max(1, args.world_size)
+
+    def fill(path: str, value, arg: str):
+        *parents, key = path.split(".")
+        node = raw
+        for p in parents:
+            node = node.setdefault(p, {})
+        have = node.get(key, "auto")
+        if have == "auto":
+            node[key] = value
+        elif not _same(have, value):
+            mismatches.append(f"{path}={have!r} but TrainingArguments.{arg}={value!r}")
+
+    micro, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
+    fill("gradient_accumulation_steps", gas, "gradient_accumulation_steps")
+    fill("train_batch_size", micro * gas * world, "per_device_train_batch_size x gradient_accumulation_steps x "
+         "world_size")
+    fill("gradient_clipping", args.max_grad_norm, "max_grad_norm")
+    for dtype, on in (("fp16", args.fp16 or args.fp16_full_eval), ("bf16", args.bf16 or args.bf16_full_eval)):
+        section = raw.setdefault(dtype, {})
+        if section.get("enabled", "auto") == "auto":
+            section["enabled"] = bool(on)
+        elif bool(section["enabled"]) != bool(on):
+            mismatches.append(f"{dtype}.enabled={section['enabled']!r} but TrainingArguments.{dtype}={bool(on)!r}")
+    opt = raw.get("optimizer")
+    if opt is not None:
+        params = opt.setdefault("params", {})
+        for key, value, arg in (("lr", args.learning_rate, "learning_rate"),
+                                ("betas", [args.adam_beta1, args.adam_beta2], "adam_beta1/adam_beta2"),
+                                ("eps", args.adam_epsilon, "adam_epsilon"),
+                                ("weight_decay", args.weight_decay, "weight_decay")):
+            have = params.get(key, "auto")
+            if have == "auto":
+                params[key] = value
+            elif not _same(have, value):
+                mismatches.append(f"optimizer.params.{key}={have!r} but TrainingArguments.{arg}={value!r}")
+    if mismatches:
+        raise ValueError("InfinityTrainer: the config and TrainingArguments disagree (write \"auto\" in the "
+                         "config to take TrainingArguments' value, or change one side):\n  " + "\n  ".join(mismatches))
+
+
+def fill_scheduler(section: dict, args: TrainingArguments, max_steps: int) -> dict:
+    """The config's scheduler section with "auto" filled as Hugging Face fills it (warmup from
+    warmup_steps/warmup_ratio, the total from the run's steps, the peak lr from learning_rate)."""
+    params = section.setdefault("params", {})
+    auto = {"warmup_min_lr": 0, "warmup_max_lr": args.learning_rate, "warmup_num_steps":
+            args.get_warmup_steps(max_steps), "total_num_steps": max_steps}
+    for key, value in auto.items():
+        if params.get(key) == "auto":
+            params[key] = value
+    return section
+
+
+def _check_optimizer_section(section: dict, torch_opt) -> None:
+    kind = str(section.get("type", "AdamW")).lower()
+    made = type(torch_opt).__name__.lower()
+    if kind not in ("adam", "adamw") or (kind == "adamw") != (made == "adamw"):
+        raise ValueError(f"InfinityTrainer: the config's optimizer is {section.get('type')!r} and TrainingArguments."
+                         f"optim makes {type(torch_opt).__name__}; make them agree or drop the config's section")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return a == b
+
+
+def _from_pretrained(path: str, raw: dict, model_class, kwargs: dict):
+    """model_class.from_pretrained(path) under zero_init: the weights are streamed into partitions."""
+    import infinity
+
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the config's notes are said once, at initialize
+        cfg = infinity.load_config(copy.deepcopy(raw))
+    with infinity.zero_init(cfg):
+        return model_class.from_pretrained(path, **kwargs)
