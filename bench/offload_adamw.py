@@ -5,9 +5,11 @@
 Each optimizer runs in its own process (a clean peak RSS): build a model of --params fp32 parameters in
 8 layers, give it gradients, and time `step()` (median of the steps after the first). Printed: each
 variant's median step, its ratio to torch's, its peak RSS over the process's RSS before the optimizer
-existed, and for NVMe the bytes it moved per step and the bound they imply at the disk rate measured in the
-same run (a 256 MiB O_DIRECT-free sequential write+read of a scratch file). torchao's CPUOffloadOptimizer and
-DeepSpeed's ZeRO-Offload are run when they import (neither is installed on the reference VM).
+existed, and for NVMe the bytes it moved per step and the floor they imply at the disk's O_DIRECT read and
+write rates measured in the same run (`infinity bench io`, the best backend's). torchao's CPUOffloadOptimizer runs when it imports (it
+offloads from a GPU, so not on a CPU-only machine); DeepSpeed's ZeRO-Offload optimizer (DeepSpeedCPUAdam,
+stepping the same parameters) runs under --ds-python, a Python where deepspeed is installed (kept out of
+this repo's environment).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ def child(kind: str, params: int, steps: int, directory: str) -> dict:
 
         opt = OffloadAdamW(model.parameters(), lr=1e-4, offload=kind, nvme_path=directory,
                            sub_group_size=max(1, params // 8))
+    elif kind == "deepspeed":  # ZeRO-Offload's CPU optimizer (DeepSpeedCPUAdam), stepping the same parameters
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(model.parameters(), lr=1e-4, adamw_mode=True)
     elif kind == "torchao":
         from torchao.optim import CPUOffloadOptimizer
 
@@ -65,24 +71,13 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def disk_rate(directory: str, nbytes: int = 256 << 20) -> float:
-    """A plain sequential write (fsync'd) and read of a scratch file: bytes per second, both directions."""
-    path = os.path.join(directory, "rate.tmp")
-    block = os.urandom(1 << 20)
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(nbytes >> 20):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    while os.read(fd, 1 << 22):
-        pass
-    os.close(fd)
-    elapsed = time.perf_counter() - t0
-    os.remove(path)
-    return 2 * nbytes / elapsed
+def disk_rates(directory: str) -> tuple[float, float]:
+    """The disk's O_DIRECT read and write rates (bytes/s), the best native backend's, from `infinity bench io`."""
+    out = subprocess.run([sys.executable, "-m", "infinity", "bench", "io", "--dir", directory, "--size", "1GiB",
+                          "--json"], capture_output=True, text=True, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    best = {op: max(r["gbps"] for r in rows if r["op"] == op) * 1e9 for op in ("read", "write")}
+    return best["read"], best["write"]
 
 
 def main():
@@ -91,30 +86,36 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--dir", default=None, help="where the NVMe variant's swap files go (default: a temp dir)")
     p.add_argument("--child", default=None)
+    p.add_argument("--ds-python", default=None, help="a python with deepspeed installed: adds DeepSpeedCPUAdam")
     a = p.parse_args()
     if a.child:
         print(json.dumps(child(a.child, int(a.params), a.steps, a.dir)))
         return
     directory = a.dir or tempfile.mkdtemp(prefix="offload-bench-")
     results = {}
-    for kind in ("torch", "cpu", "nvme", "torchao"):
-        out = subprocess.run([sys.executable, __file__, "--child", kind, "--params", str(a.params), "--steps",
+    for kind in ("torch", "cpu", "nvme", "torchao", "deepspeed"):
+        python = a.ds_python if kind == "deepspeed" else sys.executable
+        if python is None:
+            print(f"{kind}: not run (no --ds-python)")
+            continue
+        out = subprocess.run([python, __file__, "--child", kind, "--params", str(a.params), "--steps",
                               str(a.steps), "--dir", directory], capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{kind}: not run ({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode})")
             continue
         results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-    rate = disk_rate(directory)
+    read_rate, write_rate = disk_rates(directory)
     base = results["torch"]["step_s"]
     for kind, r in results.items():
         line = (f"{kind:8s} {r['params'] / 1e6:.1f}M params  step {r['step_s'] * 1e3:8.1f} ms  "
                 f"x{r['step_s'] / base:5.2f} of torch  peak RSS +{r['peak_over_start_bytes'] / 2**20:7.0f} MiB")
         if kind == "nvme":
-            moved = 24 * r["params"]  # [p|m|v] fp32 read and written once per step
-            line += (f"  moves {moved / 2**20:.0f} MiB/step; bound at {rate / 1e9:.2f} GB/s: "
-                     f"{moved / rate * 1e3:.0f} ms (x{r['step_s'] / (moved / rate):.2f} of it)")
+            state = 12 * r["params"]  # [p|m|v] fp32, read once and written once per step
+            floor = state / read_rate + state / write_rate  # one disk: the reads and writes share it
+            line += (f"  moves {2 * state / 2**20:.0f} MiB/step; I/O floor at {read_rate / 1e9:.2f} GB/s read, "
+                     f"{write_rate / 1e9:.2f} GB/s write: {floor * 1e3:.0f} ms (x{r['step_s'] / floor:.2f} of it)")
         print(line)
-    print(json.dumps({"results": results, "disk_rate_Bps": rate}))
+    print(json.dumps({"results": results, "disk_read_Bps": read_rate, "disk_write_Bps": write_rate}))
 
 
 if __name__ == "__main__":

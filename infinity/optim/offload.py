@@ -15,6 +15,9 @@ clip_grad_norm_, an accelerate or Lightning loop: all before step()). What moves
   the last one's write landing meanwhile): the sub-group's gradients are copied into one fp32 host buffer,
   the SIMD CPU Adam steps the state in one pass, and the new master values are copied back into the
   parameters (rounded to their dtype as `copy_` rounds).
+- fp32 parameters in host memory with the state in RAM are their own master: Adam steps them in place
+  (their gradients too are read where they are), as DeepSpeedCPUAdam does, so the state is the two moments
+  (8 bytes per parameter) and nothing is copied.
 - torch AdamW's semantics, exactly: hyper-parameters are read from param_groups at every step (so torch lr
   schedulers work), a parameter without a gradient is skipped (its moments and step count stay), each
   parameter counts its own steps for bias correction, and weight decay is decoupled (Adam with L2 when
@@ -35,7 +38,22 @@ import torch
 from infinity.engine import lifetime
 from infinity.optim.cpu_adam import cpu_adam_step
 from infinity.swap.pipeline import Mode, StatePipeline
-from infinity.swap.state import MOMENT_DTYPES, HostState, NvmeState
+from infinity.swap.state import MOMENT_DTYPES, AdamViews, GroupState, HostState, NvmeState
+from infinity.swap.tier import Tier
+
+
+class _MomentsOnly(GroupState):
+    """The state of a sub-group whose parameters are their own master (fp32, in host memory, offload cpu): the
+    two moments in RAM; AdamViews.param is None."""
+
+    tier = Tier.CPU
+
+    def __init__(self, numel: int, moments: torch.dtype):
+        super().__init__(numel, moments)
+        self.views = AdamViews(None, torch.zeros(numel, dtype=moments), torch.zeros(numel, dtype=moments))
+
+    def open(self, *, blank: bool = False) -> AdamViews:
+        return self.views
 
 
 class _SubGroup:
@@ -61,7 +79,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  *, offload: str = "cpu", nvme_path: str | None = None, sub_group_size: int = 50_000_000,
-                 buffer_count: int = 3, moments_dtype: str = "fp32", adamw: bool = True, bias_correction: bool = True,
+                 buffer_count: int = 4, moments_dtype: str = "fp32", adamw: bool = True, bias_correction: bool = True,
                  rank: int | None = None):
         if offload not in ("cpu", "nvme"):
             raise ValueError(f"OffloadAdamW: offload={offload!r}; use 'cpu' or 'nvme'")
@@ -97,13 +115,18 @@ class OffloadAdamW(torch.optim.Optimizer):
                                        moments_dtype, _rank(rank))
             lifetime.track(self)  # [Note: swap files die with the process]
         for s in self.sub_groups:
-            s.state = (HostState(s.numel, pin=self._pin(s), moments=self.moments) if self._swap is None else
-                       NvmeState(s.numel, self._swap.swapper, f"offload_adam/g{s.index}", moments=self.moments))
+            if self._swap is not None:
+                s.state = NvmeState(s.numel, self._swap.swapper, f"offload_adam/g{s.index}", moments=self.moments)
+            elif all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous() for p in s.params):
+                s.state = _MomentsOnly(s.numel, self.moments)
+            else:
+                s.state = HostState(s.numel, pin=self._pin(s), moments=self.moments)
 
         def first(i, views):
             s = self.sub_groups[i]
-            for p, off in zip(s.params, s.offsets):
-                views.param[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            if views.param is not None:
+                for p, off in zip(s.params, s.offsets):
+                    views.param[off:off + p.numel()].copy_(p.detach().reshape(-1))
             views.exp_avg.zero_()
             views.exp_avg_sq.zero_()
 
@@ -177,6 +200,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         runs = self._runs(s, have)
 
         def work(views):
+            if views.param is None:  # the parameters are the master: step them in place
+                for p, off, on in zip(s.params, s.offsets, have):
+                    if on:
+                        n = p.numel()
+                        pg = p.grad if p.grad.dtype == torch.float32 and p.grad.is_contiguous() else None
+                        if pg is None:
+                            grad[off:off + n].copy_(p.grad.reshape(-1))
+                        cpu_adam_step(p.view(-1), grad[off:off + n] if pg is None else pg.view(-1),
+                                      views.exp_avg[off:off + n], views.exp_avg_sq[off:off + n],
+                                      step=self._steps[id(p)], check_finite=False, **hyper())
+                return
             for p, off in zip(s.params, s.offsets):
                 if p.grad is not None:
                     grad[off:off + p.numel()].copy_(p.grad.reshape(-1), non_blocking=True)
@@ -184,11 +218,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                 torch.cuda.synchronize()  # the device-to-host copies above have landed
             for lo, hi, step in runs:
                 cpu_adam_step(views.param[lo:hi], grad[lo:hi], views.exp_avg[lo:hi], views.exp_avg_sq[lo:hi],
-                              step=step, lr=float(g["lr"]), betas=tuple(g["betas"]), eps=float(g["eps"]),
-                              weight_decay=float(g["weight_decay"]), check_finite=False, **self.hyper)
+                              step=step, check_finite=False, **hyper())
             for p, off, on in zip(s.params, s.offsets, have):
                 if on:
                     p.copy_(views.param[off:off + p.numel()].view_as(p))
+
+        def hyper():
+            return dict(lr=float(g["lr"]), betas=tuple(g["betas"]), eps=float(g["eps"]),
+                        weight_decay=float(g["weight_decay"]), **self.hyper)
 
         return work
 
@@ -222,7 +259,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 entry = {"step": torch.tensor(float(k)),
                          "exp_avg": views.exp_avg[off:off + n].float().clone().view(p.shape),
                          "exp_avg_sq": views.exp_avg_sq[off:off + n].float().clone().view(p.shape)}
-                if p.dtype != torch.float32:
+                if p.dtype != torch.float32 and views.param is not None:
                     entry["master"] = views.param[off:off + n].clone().view(p.shape)
                 state[index[id(p)]] = entry
             return None
@@ -262,7 +299,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             for p, off in zip(s.params, s.offsets):
                 n, entry = p.numel(), saved.get(index[id(p)])
                 master = entry.get("master") if entry is not None else None
-                views.param[off:off + n].copy_((master if master is not None else p.detach()).reshape(-1))
+                value = (master if master is not None else p.detach()).reshape(-1)
+                if views.param is not None:
+                    views.param[off:off + n].copy_(value)
+                elif master is not None:
+                    p.copy_(master.view_as(p))
                 if entry is None:
                     views.exp_avg[off:off + n].zero_()
                     views.exp_avg_sq[off:off + n].zero_()
@@ -281,7 +322,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         os.makedirs(directory, exist_ok=True)
 
         def write(i, views):
-            torch.save({"param": views.param.clone(), "exp_avg": views.exp_avg.clone(),
+            s = self.sub_groups[i]
+            master = views.param if views.param is not None else torch.cat([p.detach().reshape(-1) for p in s.params])
+            torch.save({"param": master.clone(), "exp_avg": views.exp_avg.clone(),
                         "exp_avg_sq": views.exp_avg_sq.clone()}, os.path.join(directory, f"group{i}.pt"))
             return None
 
@@ -313,13 +356,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         def fill(i, views):
             saved = torch.load(os.path.join(directory, f"group{i}.pt"), weights_only=True)
-            views.param.copy_(saved["param"])
+            if views.param is not None:
+                views.param.copy_(saved["param"])
             views.exp_avg.copy_(saved["exp_avg"])
             views.exp_avg_sq.copy_(saved["exp_avg_sq"])
             s = self.sub_groups[i]
             with torch.no_grad():
                 for p, off in zip(s.params, s.offsets):
-                    p.copy_(views.param[off:off + p.numel()].view_as(p))
+                    p.copy_(saved["param"][off:off + p.numel()].view_as(p))
             return None
 
         StatePipeline(Mode.FILL).over(self._states(), fill)
