@@ -36,8 +36,10 @@ def test_python_loop_example_writes_a_model_that_loads(tiny, tmp_path, disk_dir)
     assert not any(disk_dir.rglob("*.swp"))
 
 
-@pytest.mark.parametrize("extra", [[], ["--lora", "r=8,targets=q_proj,v_proj"]])
-def test_cli_example_trains_and_generates(extra, tiny, tmp_path, disk_dir):
+def test_cli_example_trains_and_generates(tiny, tmp_path, disk_dir):
+    """With LoRA (the script's full fine-tuning path is the same command without --lora, which
+    tests/finetune/test_train_hf.py runs)."""
+    extra = ["--lora", "r=8,targets=q_proj,v_proj"]
     model, data = tiny
     out = subprocess.run(["bash", str(EXAMPLES / "finetune_cli.sh"), model, data, str(tmp_path / "run"), "--steps",
                           "3", "--seq", "64", "--nvme-path", str(disk_dir), *extra],
