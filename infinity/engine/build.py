@@ -40,6 +40,8 @@ def build_store(cfg: Config, comm: Comm) -> ParamStore:
     store = ParamStore(comm, tier=tier, dtype=compute_dtype(cfg), device=compute_device(), persistence=persistence,
                        stage=zero.stage, swap=swap, max_in_cpu=zero.offload_param.max_in_cpu)
     lifetime.track(store, remove_at_exit=cfg.infinity.remove_swap_at_exit)  # [Note: swap files die with the process]
+    if swap is not None:  # kept alive by its reaper threads until closed, even once the store is collected
+        lifetime.track(swap.swapper, remove_at_exit=cfg.infinity.remove_swap_at_exit)
     store.max_live = zero.stage3_max_live_parameters
     store.reduce_bucket = zero.reduce_bucket_size
     if swap is not None:

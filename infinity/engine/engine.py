@@ -598,8 +598,9 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
                 (g.numel for g in plan), default=1), tail_bytes=0 if in_state in (None, torch.float32) else
                 in_state.itemsize)
             # The engine may be collected before exit without close() (a script's main() returns): its
-            # optimizer files go at exit all the same; [Note: swap files die with the process].
-            lifetime.track(opt_swap, remove_at_exit=cfg.infinity.remove_swap_at_exit)
+            # optimizer files go at exit all the same; [Note: swap files die with the process]. The swapper is
+            # what is tracked: its reaper threads keep it alive until it is closed, whoever else lets go of it.
+            lifetime.track(opt_swap.swapper, remove_at_exit=cfg.infinity.remove_swap_at_exit)
         optimizer = ShardedAdam(store, cfg, comm, swap=opt_swap, param_groups=groups)
     except BaseException:
         if opt_swap is not None:

@@ -98,6 +98,7 @@ class InfinityTrainer(Trainer):
 
         raw = copy.deepcopy(self._raw_config)
         optimizer_section = raw.pop("optimizer", None)
+        raw.pop("scheduler", None)  # built at train() from the run's length, stepped by the Trainer's loop
         torch_opt = Trainer.create_optimizer(self)  # the optimizer the Trainer's arguments ask for
         self.optimizer = None
         if not isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
@@ -110,6 +111,7 @@ class InfinityTrainer(Trainer):
         groups = _groups(torch_opt, None, raw, self.model)
         engine = initialize(self.model, raw, model_parameters=groups)
         if engine.gas != self.args.gradient_accumulation_steps:
+            engine.close()
             raise ConfigError("gradient_accumulation_steps", f"the engine accumulates {engine.gas} micro-batches "
                               f"and TrainingArguments {self.args.gradient_accumulation_steps}; make them agree")
         return engine
@@ -131,6 +133,18 @@ class InfinityTrainer(Trainer):
         # The Trainer's training_step (and a subclass's around it, e.g. TRL's) normalises the loss and ends in
         # accelerator.backward: this trainer's accelerator hands that loss to the engine.
         self.accelerator.backward = self._engine_backward
+        # ... and unwrap_model(engine) is the user's model (the Trainer asks it whether it is a peft model, which
+        # loss to smooth labels for, what to save).
+        unwrap = self.accelerator.unwrap_model
+        self.accelerator.unwrap_model = lambda model, *a, **kw: unwrap(
+            model.module if self._engine is not None and model is self._engine else model, *a, **kw)
+
+    def compute_loss_context_manager(self):
+        # Before the forward: the engine's forward hooks read whether this micro-batch ends an accumulation (a step
+        # coming lets them start the optimizer state's reads early); _engine_backward sets it again.
+        if self._engine is not None:
+            self._engine.set_gradient_accumulation_boundary(self.accelerator.gradient_state.sync_gradients)
+        return super().compute_loss_context_manager()
 
     def _engine_backward(self, loss, **kwargs) -> None:
         """The loss as the Trainer normalised it (by the accumulation steps, or by the items in the batch when
@@ -158,6 +172,8 @@ class InfinityTrainer(Trainer):
         if self._created_lr_scheduler:
             self.lr_scheduler = None
             self._created_lr_scheduler = False
+        state = self.accelerator.gradient_state  # another Trainer in this process may have reset it
+        state.plugin_kwargs = dict(state.plugin_kwargs, sync_each_batch=True)
         self.create_optimizer()
         self._create_engine_scheduler(max_steps)
         self.model_wrapped = self._engine
@@ -205,8 +221,9 @@ class InfinityTrainer(Trainer):
         """The weights come back with the engine's checkpoint (_load_optimizer_and_scheduler)."""
         if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_DIR)):
             raise ValueError(f"InfinityTrainer: {resume_from_checkpoint} has no {ENGINE_DIR}/ (the engine's "
-                             "checkpoint); resume from a checkpoint InfinityTrainer wrote, or start from its "
-                             "model with model=<that directory>")
+                             "checkpoint: it was saved with save_only_model=True, or not by InfinityTrainer), so "
+                             "there is no optimizer state to resume; start from its model with "
+                             "model=<that directory> instead")
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
@@ -306,7 +323,15 @@ _REFUSED = {
     "load_best_model_at_end": "loading the best checkpoint back into the engine is not supported yet; pick the "
                               "checkpoint-N directory yourself (its HF model loads with from_pretrained)",
     "use_liger_kernel": "Liger's kernels patch the model's modules, which the engine's hooks wrap; turn it off",
+    "fp16_full_eval": "evaluation runs in the engine's compute dtype, the training one; set fp16=True for both",
+    "bf16_full_eval": "evaluation runs in the engine's compute dtype, the training one; set bf16=True for both",
+    "enable_jit_checkpoint": "it saves between backward and the optimizer step, where the weights are about to "
+                             "change; use save_steps",
+    "parallelism_config": "tensor/context parallelism is not composed with the engine yet; drop parallelism_config",
+    "save_on_each_node": "the engine's save writes from global rank 0 only; save to shared storage",
 }
+_SCHEDULERS_REFUSED = {"reduce_lr_on_plateau": "it steps on evaluation metrics", "greedy": "it steps on evaluation "
+                       "metrics"}
 
 
 def refuse_unsupported(args: TrainingArguments, kwargs: dict) -> None:
@@ -314,6 +339,11 @@ def refuse_unsupported(args: TrainingArguments, kwargs: dict) -> None:
         value = getattr(args, name, None)
         if value not in (None, False, "", [], {}):
             raise ValueError(f"InfinityTrainer: TrainingArguments.{name}={value!r} is not supported: {fix}")
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    if kind in _SCHEDULERS_REFUSED:
+        raise ValueError(f"InfinityTrainer: TrainingArguments.lr_scheduler_type={kind!r} is not supported "
+                         f"({_SCHEDULERS_REFUSED[kind]}, and the engine's scheduler advances once per optimizer "
+                         "step); use 'linear', 'cosine', 'constant_with_warmup' or the config's scheduler section")
     if args.n_gpu > 1:
         raise ValueError(f"InfinityTrainer: {args.n_gpu} GPUs in one process (DataParallel) is not supported; "
                          "launch one process per GPU with torchrun")
@@ -361,7 +391,7 @@ def fill_from_training_args(raw: dict, args: TrainingArguments) -> None:
     fill("train_batch_size", micro * gas * world, "per_device_train_batch_size x gradient_accumulation_steps x "
          "world_size")
     fill("gradient_clipping", args.max_grad_norm, "max_grad_norm")
-    for dtype, on in (("fp16", args.fp16 or args.fp16_full_eval), ("bf16", args.bf16 or args.bf16_full_eval)):
+    for dtype, on in (("fp16", args.fp16), ("bf16", args.bf16)):
         section = raw.setdefault(dtype, {})
         if section.get("enabled", "auto") == "auto":
             section["enabled"] = bool(on)
@@ -396,12 +426,27 @@ def fill_scheduler(section: dict, args: TrainingArguments, max_steps: int) -> di
     return section
 
 
+_OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "fused"}
+
+
 def _check_optimizer_section(section: dict, torch_opt) -> None:
+    """The config's optimizer section must describe the optimizer TrainingArguments.optim makes (which the engine
+    takes over): the same Adam flavour, and no parameter the Trainer's optimizer would not apply."""
     kind = str(section.get("type", "AdamW")).lower()
-    made = type(torch_opt).__name__.lower()
-    if kind not in ("adam", "adamw") or (kind == "adamw") != (made == "adamw"):
-        raise ValueError(f"InfinityTrainer: the config's optimizer is {section.get('type')!r} and TrainingArguments."
-                         f"optim makes {type(torch_opt).__name__}; make them agree or drop the config's section")
+    params = section.get("params", {})
+    # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (the schema's reading too)
+    adamw = kind == "adamw" or (kind == "adam" and params.get("adam_w_mode", True))
+    made_adamw = isinstance(torch_opt, torch.optim.AdamW) or bool(torch_opt.defaults.get("decoupled_weight_decay"))
+    if kind not in ("adam", "adamw") or adamw != made_adamw:
+        mode = "" if kind != "adam" else f" with adam_w_mode={bool(params.get('adam_w_mode', True))}"
+        raise ValueError(f"InfinityTrainer: the config's optimizer is {section.get('type')!r}{mode}"
+                         f" and TrainingArguments.optim makes {type(torch_opt).__name__}; make them agree or drop "
+                         "the config's section")
+    other = sorted(set(params) - _OPTIMIZER_PARAMS)
+    if other:
+        raise ValueError(f"InfinityTrainer: the config's optimizer.params {other} would not be applied (the "
+                         "optimizer is the one TrainingArguments.optim makes, from learning_rate, adam_beta1/2, "
+                         "adam_epsilon and weight_decay); remove them")
 
 
 def _same(a, b) -> bool:
@@ -422,6 +467,6 @@ def _from_pretrained(path: str, raw: dict, model_class, kwargs: dict):
         from transformers import AutoModelForCausalLM as model_class
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the config's notes are said once, at initialize
-        cfg = infinity.load_config(copy.deepcopy(raw))
+        cfg = infinity.load_config({k: v for k, v in copy.deepcopy(raw).items() if k != "scheduler"})
     with infinity.zero_init(cfg):
         return model_class.from_pretrained(path, **kwargs)

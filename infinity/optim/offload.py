@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 
 import torch
 
-from infinity.engine import lifetime
 from infinity.optim.cpu_adam import cpu_adam_step
 from infinity.swap.pipeline import Mode, StatePipeline
 from infinity.swap.state import MOMENT_DTYPES, AdamViews, GroupState, HostState, NvmeState
@@ -93,6 +93,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if sub_group_size < 1 or buffer_count < 1:
             raise ValueError("OffloadAdamW: sub_group_size and buffer_count must be >= 1")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        _refuse_unsupported_options(self.param_groups)
         self.offload = offload
         self.moments = MOMENT_DTYPES[moments_dtype]
         self.hyper = dict(adamw=adamw, bias_correction=bias_correction)
@@ -113,7 +114,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if offload == "nvme":
             self._swap = _swap_context(nvme_path, buffer_count, max(s.numel for s in self.sub_groups),
                                        moments_dtype, _rank(rank))
-            lifetime.track(self)  # [Note: swap files die with the process]
+            # The files go with close(), when this optimizer is collected, or at exit, whichever comes first
+            # ([Note: swap files die with the process]): the finalizer holds the swap context, not the optimizer.
+            self._finalizer = weakref.finalize(self, self._swap.close)
         for s in self.sub_groups:
             if self._swap is not None:
                 s.state = NvmeState(s.numel, self._swap.swapper, f"offload_adam/g{s.index}", moments=self.moments)
@@ -194,12 +197,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._grad = torch.empty(max(x.numel for x in self.sub_groups), dtype=torch.float32,
                                      pin_memory=torch.cuda.is_available())
         grad = self._grad  # one buffer for every sub-group: each fills it when its turn comes
-        for p in s.params:
-            if p.grad is not None:
-                self._steps[id(p)] += 1
-        runs = self._runs(s, have)
-
         def work(views):
+            for p in s.params:  # counted when the state is stepped: a step that fails before leaves them
+                if p.grad is not None:
+                    self._steps[id(p)] += 1
             if views.param is None:  # the parameters are the master: step them in place
                 for p, off, on in zip(s.params, s.offsets, have):
                     if on:
@@ -214,9 +215,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             for p, off in zip(s.params, s.offsets):
                 if p.grad is not None:
                     grad[off:off + p.numel()].copy_(p.grad.reshape(-1), non_blocking=True)
-            if torch.cuda.is_available() and any(p.is_cuda for p in s.params):
-                torch.cuda.synchronize()  # the device-to-host copies above have landed
-            for lo, hi, step in runs:
+            for device in {p.grad.device for p in s.params if p.grad is not None and p.grad.is_cuda}:
+                torch.cuda.synchronize(device)  # the device-to-host copies above have landed, from every GPU
+            for lo, hi, step in self._runs(s, have):
                 cpu_adam_step(views.param[lo:hi], grad[lo:hi], views.exp_avg[lo:hi], views.exp_avg_sq[lo:hi],
                               step=step, check_finite=False, **hyper())
             for p, off, on in zip(s.params, s.offsets, have):
@@ -288,11 +289,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if tuple(v[name].shape) != tuple(p.shape):
                     raise ValueError(f"OffloadAdamW.load_state_dict: parameter {k}'s {name} has shape "
                                      f"{tuple(v[name].shape)}, the parameter {tuple(p.shape)}")
-        for mine, theirs in zip(self.param_groups, groups):
-            for key, value in theirs.items():
-                if key != "params":
-                    mine[key] = tuple(value) if key == "betas" else value
+        _refuse_unsupported_options(groups)
         index = {id(p): i for i, p in enumerate(params)}
+        steps = {}
 
         def fill(i, views):
             s = self.sub_groups[i]
@@ -303,23 +302,33 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if views.param is not None:
                     views.param[off:off + n].copy_(value)
                 elif master is not None:
-                    p.copy_(master.view_as(p))
+                    with torch.no_grad():
+                        p.copy_(master.view_as(p))
                 if entry is None:
                     views.exp_avg[off:off + n].zero_()
                     views.exp_avg_sq[off:off + n].zero_()
-                    self._steps[id(p)] = 0
+                    steps[id(p)] = 0
                 else:
                     views.exp_avg[off:off + n].copy_(entry["exp_avg"].reshape(-1))
                     views.exp_avg_sq[off:off + n].copy_(entry["exp_avg_sq"].reshape(-1))
-                    self._steps[id(p)] = int(float(entry["step"]))
+                    steps[id(p)] = int(float(entry["step"]))
             return None
 
         StatePipeline(Mode.FILL).over(self._states(), fill)
+        self._steps.update(steps)  # only once every state holds the loaded values
+        for mine, theirs in zip(self.param_groups, groups):
+            for key, value in theirs.items():
+                if key != "params":
+                    mine[key] = tuple(value) if key == "betas" else value
 
     def save(self, directory: str) -> None:
         """The state, one sub-group at a time: directory/meta.json and one file per sub-group."""
         self._check_open()
         os.makedirs(directory, exist_ok=True)
+        try:  # meta.json marks a finished save: gone until this one has finished
+            os.remove(os.path.join(directory, "meta.json"))
+        except FileNotFoundError:
+            pass
 
         def write(i, views):
             s = self.sub_groups[i]
@@ -379,9 +388,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
-        lifetime.forget(self)
         if self._swap is not None:
-            self._swap.close()
+            self._finalizer()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -392,6 +400,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _refuse_unsupported_options(groups) -> None:
+    for g in groups:
+        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if g.get(key):
+                raise ValueError(f"OffloadAdamW: {key}=True is not supported (the CPU Adam steps plain Adam/AdamW); "
+                                 "drop it")
 
 
 def _rank(rank: int | None) -> int:

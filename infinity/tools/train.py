@@ -202,16 +202,22 @@ class StopBetweenSteps:
     waits in a collective for it: that rank then hangs until the collective times out (seen once in 15 runs of
     the 2-rank Ctrl-C test). So, while the loop runs, the first SIGINT or SIGTERM only asks for a stop: each
     rank finishes its step, the ranks agree on the request in one all-reduce (any rank's request stops all of
-    them), and all raise together, between steps, where nothing is in flight. A second signal stops at once.
-    Rank 0 says so when the first one arrives."""
+    them), and all raise together, between steps, where nothing is in flight. A second signal stops at once;
+    the same signal again within REPEAT_S is the first one arriving twice (a SIGTERM sent to the whole process
+    group reaches each rank directly and again through the launcher) and changes nothing. Rank 0 says so when
+    the first one arrives. One rank has no collective to be caught in: it stops where the signal finds it,
+    as before, so a scheduler's grace period is never spent waiting for a step to end."""
+
+    REPEAT_S = 2.0
 
     def __init__(self, comm):
         self.comm = comm
         self.requested = 0  # the signal number of the first request, 0 for none
+        self._at = 0.0
         self._previous = {}
 
     def __enter__(self) -> "StopBetweenSteps":
-        if _main_thread():
+        if _main_thread() and self.comm.world > 1:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
@@ -222,14 +228,20 @@ class StopBetweenSteps:
 
     def _on_signal(self, signum, frame) -> None:
         if self.requested:
+            if signum == self.requested and time.monotonic() - self._at < self.REPEAT_S:
+                return
             raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
         self.requested = signum
+        self._at = time.monotonic()
         if self.comm.rank == 0:
             _stop_line("infinity train: stopping after this step (send the signal again to stop now)")
 
     def check(self) -> None:
         """Raise the agreed stop (KeyboardInterrupt, or Terminated for SIGTERM) on every rank, or return."""
         import torch
+
+        if self.comm.world == 1:
+            return
 
         flag = torch.tensor([self.requested], dtype=torch.int64)
         self.comm.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX)

@@ -139,6 +139,21 @@ def test_save_model_loads_with_from_pretrained_and_equals_the_engine(model_dir, 
     t.engine.close()
 
 
+def test_a_config_scheduler_section_is_filled_from_the_arguments_and_drives_the_lr(model_dir, tmp_path):
+    """DeepSpeed's WarmupDecayLR with "auto" everywhere: warmup from warmup_steps, total from max_steps, peak from
+    learning_rate, as Hugging Face fills them; the logged lrs are DeepSpeed 0.19.8's sequence."""
+    cfg = dict(zero3("cpu", tmp_path), scheduler={"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto",
+        "warmup_type": "linear"}})
+    t = infinity_trainer(model_dir, tmp_path / "out", cfg)
+    t.train()
+    lrs = history(t)[2]
+    # 0.19.8: the first two steps both run at warmup_min_lr, then iteration k of 3 warmup steps, then linear decay
+    gamma = [0.0, 0.0, 1 / 3, 2 / 3] + [(10 - k) / 7 for k in range(3, 9)]
+    assert lrs == pytest.approx([2e-3 * g for g in gamma], rel=1e-9, abs=1e-15)
+    t.engine.close()
+
+
 def test_gradient_checkpointing_gives_the_same_losses(model_dir, vanilla, tmp_path):
     t = infinity_trainer(model_dir, tmp_path / "out", zero3("cpu", tmp_path), gradient_checkpointing=True)
     t.train()
@@ -182,6 +197,24 @@ def test_two_ranks_agree_with_one(model_dir, vanilla, tmp_path):
     assert rec["lrs"] == pytest.approx(vanilla["history"][2], rel=1e-12, abs=1e-15)
 
 
+def test_an_epoch_ending_in_a_short_accumulation_matches_the_trainer(model_dir, tmp_path):
+    """21 micro-batches per epoch with accumulation 2: the epoch's last step has one micro-batch, which the loop
+    marks as a boundary and normalises by its own count."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    common = dict(max_steps=-1, num_train_epochs=1)
+    plain = Trainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=targs(tmp_path / "p", **common),
+                    train_dataset=Rows(42), data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+    plain.train()
+    ours = InfinityTrainer(model=model_dir, args=targs(tmp_path / "i", **common), train_dataset=Rows(42),
+                           infinity_config=zero3("cpu", tmp_path),
+                           data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+    ours.train()
+    assert ours.state.global_step == plain.state.global_step == 11
+    assert history(ours)[0] == pytest.approx(history(plain)[0], rel=1e-5)
+    assert ours.engine.global_steps == 11
+    ours.engine.close()
+
+
 @pytest.mark.parametrize("over,message", [
     ({"after": {"deepspeed": {"zero_optimization": {"stage": 3}}}},
      "TrainingArguments.deepspeed=.* is not supported: InfinityTrainer is the engine; put the DeepSpeed config in "
@@ -189,6 +222,11 @@ def test_two_ranks_agree_with_one(model_dir, vanilla, tmp_path):
     ({"optim": "adafactor"}, "TrainingArguments.optim='adafactor' makes the optimizer Adafactor; the engine's "
                              "optimizer is Adam/AdamW"),
     ({"torch_compile": True}, "TrainingArguments.torch_compile=True is not supported"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps"},
+     "lr_scheduler_type='reduce_lr_on_plateau' is not supported "
+                                                    r"\(it steps on evaluation metrics"),
+    ({"bf16_full_eval": True}, "bf16_full_eval=True is not supported: evaluation runs in the engine's compute "
+                               "dtype"),
     ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
      "TrainingArguments.load_best_model_at_end=True is not supported"),
 ])
@@ -213,6 +251,19 @@ def test_config_and_training_arguments_disagreeing_is_an_error_naming_both(model
                  "optimizer.params.weight_decay=0.3 but TrainingArguments.weight_decay=0.01"):
         assert part in text, text
     assert "lr" not in text.replace("learning_rate", ""), "an \"auto\" lr is filled, not a mismatch"
+
+
+def test_a_config_optimizer_section_must_describe_the_trainers_optimizer(model_dir, tmp_path):
+    ok = dict(zero3("none", tmp_path), optimizer={"type": "Adam", "params": {"lr": "auto", "betas": "auto"}})
+    t = infinity_trainer(model_dir, tmp_path / "a", ok)  # DeepSpeed's "Adam" is AdamW (adam_w_mode)
+    t.engine.close()
+    l2 = dict(zero3("none", tmp_path), optimizer={"type": "Adam", "params": {"adam_w_mode": False}})
+    with pytest.raises(ValueError, match="optimizer is 'Adam' with adam_w_mode=False and TrainingArguments.optim "
+                                         "makes AdamW"):
+        infinity_trainer(model_dir, tmp_path / "b", l2)
+    extra = dict(zero3("none", tmp_path), optimizer={"type": "AdamW", "params": {"bias_correction": False}})
+    with pytest.raises(ValueError, match=r"optimizer.params \['bias_correction'\] would not be applied"):
+        infinity_trainer(model_dir, tmp_path / "c", extra)
 
 
 def test_a_client_optimizer_is_refused(model_dir, tmp_path):
