@@ -34,7 +34,6 @@ takes the TrainingArguments value (so `max_grad_norm` clips even when the config
 from __future__ import annotations
 
 import copy
-import json
 import os
 import warnings
 
@@ -362,10 +361,9 @@ def load_raw(infinity_config) -> dict:
     if infinity_config is None:
         raise ValueError("InfinityTrainer: infinity_config is required: a DeepSpeed-style config as a path or a "
                          "dict, e.g. {'zero_optimization': {'stage': 3, 'offload_optimizer': {'device': 'cpu'}}}")
-    if isinstance(infinity_config, dict):
-        return copy.deepcopy(infinity_config)
-    with open(infinity_config) as f:
-        return json.load(f)
+    from infinity.deepspeed.config import config_from
+
+    return config_from(infinity_config)  # a dict (copied), a path to JSON, or a JSON string
 
 
 def fill_from_training_args(raw: dict, args: TrainingArguments) -> None:
