@@ -1,15 +1,20 @@
-"""OffloadAdamW beside torch.optim.AdamW (all in RAM) on the same model: optimizer step time and peak RSS.
+"""OffloadAdamW beside torch.optim.AdamW (all in RAM) and DeepSpeed on the same model: step time, peak RSS.
 
-    python bench/offload_adamw.py --params 100e6 --dir /path/on/nvme [--steps 6]
+    python bench/offload_adamw.py --params 100e6 --dir /path/on/nvme [--steps 6] [--ds-python PY]
 
-Each optimizer runs in its own process (a clean peak RSS): build a model of --params fp32 parameters in
-8 layers, give it gradients, and time `step()` (median of the steps after the first). Printed: each
-variant's median step, its ratio to torch's, its peak RSS over the process's RSS before the optimizer
-existed, and for NVMe the bytes it moved per step and the floor they imply at the disk's O_DIRECT read and
-write rates measured in the same run (`infinity bench io`, the best backend's). torchao's CPUOffloadOptimizer runs when it imports (it
-offloads from a GPU, so not on a CPU-only machine); DeepSpeed's ZeRO-Offload optimizer (DeepSpeedCPUAdam,
-stepping the same parameters) runs under --ds-python, a Python where deepspeed is installed (kept out of
-this repo's environment).
+Each variant runs in its own process (a clean peak RSS) on a model of --params fp32 parameters in 8 layers.
+- Optimizer steps: the parameters are given gradients and `step()` is timed (median of the steps after the
+  first): torch AdamW, OffloadAdamW cpu and nvme, torchao's CPUOffloadOptimizer when it imports (it offloads
+  from a GPU, so not on a CPU-only machine), and DeepSpeed's ZeRO-Offload optimizer (DeepSpeedCPUAdam on the
+  same parameters).
+- Whole training steps ("loop-"): forward, backward, clip to 1.0 and step on a batch of 8, in a plain loop
+  with torch AdamW or OffloadAdamW, and in DeepSpeed's ZeRO-Offload engine (stage 2, offload_optimizer cpu;
+  DeepSpeed offloads the optimizer to NVMe only at stage 3).
+Printed: each median, its ratio to torch's (of the same kind), the peak RSS over the process's RSS before
+the optimizer existed, and for the NVMe optimizer step the bytes moved and the floor they imply at the
+disk's O_DIRECT read and write rates measured in the same run (`infinity bench io`, the best backend's).
+DeepSpeed's variants run under --ds-python, a Python where deepspeed is installed (kept out of this repo's
+environment).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ def child(kind: str, params: int, steps: int, directory: str) -> dict:
     layers = 8
     width = int((params / layers) ** 0.5)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    if kind.startswith("loop-"):
+        return whole_steps(kind[5:], model, width, steps, directory)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     rss0 = _rss()
@@ -66,6 +73,54 @@ def child(kind: str, params: int, steps: int, directory: str) -> dict:
             "peak_over_start_bytes": peak - rss0}
 
 
+def whole_steps(kind: str, model, width: int, steps: int, directory: str) -> dict:
+    """Whole training steps (forward, backward, clip to 1.0, optimizer step) on a batch of 8: a plain loop with
+    torch AdamW or OffloadAdamW, or DeepSpeed's ZeRO-Offload (stage 2, offload_optimizer cpu) engine."""
+    import resource
+
+    import torch
+
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(1))
+    rss0 = _rss()
+    if kind == "deepspeed":
+        import deepspeed
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+        cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+        def step():
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+    else:
+        if kind == "torch":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        else:
+            from infinity.optim import OffloadAdamW
+
+            opt = OffloadAdamW(model.parameters(), lr=1e-4, offload=kind, nvme_path=directory)
+
+        def step():
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if kind in ("cpu", "nvme"):
+        opt.close()
+    return {"kind": f"loop-{kind}", "params": sum(p.numel() for p in model.parameters()),
+            "step_s": statistics.median(times[1:]), "first_s": times[0], "peak_over_start_bytes": peak - rss0}
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -93,8 +148,9 @@ def main():
         return
     directory = a.dir or tempfile.mkdtemp(prefix="offload-bench-")
     results = {}
-    for kind in ("torch", "cpu", "nvme", "torchao", "deepspeed"):
-        python = a.ds_python if kind == "deepspeed" else sys.executable
+    for kind in ("torch", "cpu", "nvme", "torchao", "deepspeed", "loop-torch", "loop-cpu", "loop-nvme",
+                 "loop-deepspeed"):
+        python = a.ds_python if kind.endswith("deepspeed") else sys.executable
         if python is None:
             print(f"{kind}: not run (no --ds-python)")
             continue
@@ -105,8 +161,8 @@ def main():
             continue
         results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
     read_rate, write_rate = disk_rates(directory)
-    base = results["torch"]["step_s"]
     for kind, r in results.items():
+        base = results["loop-torch" if kind.startswith("loop-") else "torch"]["step_s"]
         line = (f"{kind:8s} {r['params'] / 1e6:.1f}M params  step {r['step_s'] * 1e3:8.1f} ms  "
                 f"x{r['step_s'] / base:5.2f} of torch  peak RSS +{r['peak_over_start_bytes'] / 2**20:7.0f} MiB")
         if kind == "nvme":

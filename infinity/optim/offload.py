@@ -75,10 +75,15 @@ class _SubGroup:
 class OffloadAdamW(torch.optim.Optimizer):
     """AdamW (Adam with adamw=False) whose state lives in host RAM (`offload="cpu"`) or on NVMe
     (`offload="nvme"`, swap files under `nvme_path`); see [Note: an offloading optimizer for loops that own
-    their parameters]. Call close() (or use `with`) to remove its swap files; they also go at exit."""
+    their parameters]. Call close() (or use `with`) to remove its swap files; they also go when the optimizer is
+    collected, and at exit.
+
+    On NVMe the memory it holds is `buffer_count` buffers of the largest sub-group's state (12 B per parameter,
+    8 with bf16 moments): 4 x 10M parameters is 480 MB by default. A parameter larger than `sub_group_size` is
+    a sub-group of its own, so a large embedding sets the buffer size."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 *, offload: str = "cpu", nvme_path: str | None = None, sub_group_size: int = 50_000_000,
+                 *, offload: str = "cpu", nvme_path: str | None = None, sub_group_size: int = 10_000_000,
                  buffer_count: int = 4, moments_dtype: str = "fp32", adamw: bool = True, bias_correction: bool = True,
                  rank: int | None = None):
         if offload not in ("cpu", "nvme"):
