@@ -21,7 +21,7 @@ import torch
 from infinity.config import Config, ConfigError
 from infinity.config.resolve import resolve_auto, resolve_batch
 from infinity.engine import lifetime
-from infinity.engine.build import as_config, build_store
+from infinity.engine.build import as_config, build_store, pool_shard_numel
 from infinity.engine.construct import end_access
 from infinity.engine.comm import init_distributed
 from infinity.engine.hooks import ParamHooks
@@ -544,7 +544,8 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
                           comm.world)  # before anything is built: an inconsistent set fails here
     store = next((managed(p).store for p in model.parameters() if managed(p) is not None), None)
     if store is None:
-        store = current_store() or build_store(cfg, comm)
+        store = current_store() or build_store(cfg, comm,
+                                               largest_shard_numel=pool_shard_numel(cfg, model, comm.world))
     store.reduce_bucket = cfg.zero_optimization.reduce_bucket_size  # "auto" may have been filled from the model
     if store.scheduler is not None:
         store.scheduler.bucket = cfg.zero_optimization.stage3_prefetch_bucket_size
@@ -567,26 +568,30 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
             managed(p).name = name
     # Construction is over: what user code left staged or reassigned becomes shards, persistent parameters'
     # shards catch up with their full values, and the access mode ends (see [Note: partitioned access]).
-    store.settle_staged()
-    store.adopt_reassigned(store.params)
-    store.sync_persistent()
-    end_access(store)
-    names = {}
-    for name, p in model.named_parameters():
-        names.setdefault(id(p), name)
-        if managed(p) is None:
-            if id(p) in trained or p.is_floating_point():  # frozen ones too: partitioned, in the compute dtype
-                store.adopt(p, name)
-        else:
-            managed(p).name = name
-    store.retain({id(p) for p in model.parameters()})
-    for mp in store.params:
-        if id(mp.param) not in trained:
-            store.freeze(mp)
-    for module in model.modules():  # buffers go to the compute device; parameters stay placeholders
-        for key, b in module._buffers.items():
-            if b is not None:
-                module._buffers[key] = b.to(store.device)
+    try:  # a failure here (a shard too big for the pool's buffers, ...) leaves no open store or files
+        store.settle_staged()
+        store.adopt_reassigned(store.params)
+        store.sync_persistent()
+        end_access(store)
+        names = {}
+        for name, p in model.named_parameters():
+            names.setdefault(id(p), name)
+            if managed(p) is None:
+                if id(p) in trained or p.is_floating_point():  # frozen ones too: partitioned, in the compute dtype
+                    store.adopt(p, name)
+            else:
+                managed(p).name = name
+        store.retain({id(p) for p in model.parameters()})
+        for mp in store.params:
+            if id(mp.param) not in trained:
+                store.freeze(mp)
+        for module in model.modules():  # buffers go to the compute device; parameters stay placeholders
+            for key, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[key] = b.to(store.device)
+    except BaseException:
+        failed()
+        raise
     opt_swap = None
     try:
         if Tier(cfg.zero_optimization.offload_optimizer.device) is Tier.NVME:
@@ -605,6 +610,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     except BaseException:
         if opt_swap is not None:
             opt_swap.close()
+        failed()
         raise
     store.frozen = True
     store.placeholders_to_compute_dtype()

@@ -237,3 +237,30 @@ def test_leftovers_reuse_after_a_crashed_run_of_another_layout_trains_like_a_cle
         reused = engine_losses(engine_config("nvme", str(tmp_path / "crashed"), **bf16, **{"infinity.leftovers":
                                                                                           "reuse"}), STEPS)
     assert reused == engine_losses(engine_config("nvme", str(tmp_path / "clean"), **bf16), STEPS)
+
+
+def test_the_nvme_parameter_pool_fits_the_model_when_initialize_builds_it(tmp_path):
+    """[Note: the parameter pool fits the model]: buffers of the largest shard, not of buffer_size (DeepSpeed's
+    1e8 elements, 2 GB for 5 buffers); under zero_init, or with a buffer_size below the largest shard, the
+    config's buffer_size stands."""
+    import infinity
+
+    def cfg(**param):
+        off = {"device": "nvme", "nvme_path": str(tmp_path), **param}
+        return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                      "offload_param": off, "offload_optimizer": {"device": "cpu"}}}
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 8))
+    with infinity.initialize(model, cfg()) as engine:
+        assert engine.store.swap.pool.size == 4 * 64 * 96, "one fp32 shard of the largest parameter"
+        loss = engine(torch.randn(2, 64)).square().mean()
+        engine.backward(loss)
+        engine.step()
+    with pytest.raises(ValueError, match="raise the buffer size"):  # below the largest shard: kept, and refused
+        infinity.initialize(torch.nn.Linear(64, 96), cfg(buffer_size=1000))
+    assert not list(tmp_path.rglob("*.swp"))
+    with infinity.zero_init(cfg(buffer_size=5000)):
+        built = torch.nn.Linear(64, 32)
+    with infinity.initialize(built, cfg(buffer_size=5000)) as engine:
+        assert engine.store.swap.pool.size == 4 * 5000, "under zero_init the store came first: buffer_size stands"
