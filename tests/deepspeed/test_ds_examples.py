@@ -39,23 +39,28 @@ def no_swap_files_under(path):
     assert not left, f"the script exited and left swap files: {left}"
 
 
-@pytest.mark.parametrize("offload,stage,nproc", [("cpu", 1, 1), ("nvme", 3, 1), ("none", 2, 2)])
-def test_bert_mlm_resumes_where_it_saved(offload, stage, nproc, tmp_path):
+@pytest.mark.parametrize("first,then,nproc", [(("cpu", 1), ("nvme", 3), 1), (("none", 2), ("cpu", 3), 2)])
+def test_bert_mlm_resumes_where_it_saved_on_another_tier(first, then, nproc, tmp_path):
     """The uninterrupted run saves at steps 4 and 8 of 10. Pointing `latest` back at step 4 (as a user
-    rewinding does) and running again with --load_checkpoint_dir resumes at step 5 from client_state: its
-    losses for steps 5..10 and its final 16-bit weights are the uninterrupted run's, bit for bit (dropout on:
-    the checkpoint carries the RNG)."""
+    rewinding does) and running again with --load_checkpoint_dir, under another ZeRO stage and offload tier,
+    resumes at step 5 from client_state: its losses for steps 5..10 and its final 16-bit weights are the
+    uninterrupted run's, bit for bit (dropout on: the checkpoint carries the RNG). Between them the two cases
+    run the script on none, cpu and nvme, and on 2 ranks."""
     exp, nvme = tmp_path / "exp", tmp_path / "nvme"
-    common = ["--zero_stage", str(stage), "--offload", offload, "--nvme_path", str(nvme), "--num_iterations", "10",
-              "--checkpoint_every", "4", "--dropout", "0.1"]
-    run("ds_bert_mlm.py", [*common, "--checkpoint_dir", str(exp), "--out", str(tmp_path / "a.json")], nproc)
+
+    def args(tier, stage):
+        return ["--zero_stage", str(stage), "--offload", tier, "--nvme_path", str(nvme), "--num_iterations", "10",
+                "--checkpoint_every", "4", "--dropout", "0.1"]
+
+    run("ds_bert_mlm.py", [*args(*first), "--checkpoint_dir", str(exp), "--out", str(tmp_path / "a.json")], nproc)
     whole = json.loads((tmp_path / "a.json").read_text())
     assert whole["world"] == nproc and whole["start_step"] == 1
     assert sorted(p.name for p in exp.iterdir()) == ["final", "global_step4", "global_step8", "latest"]
     shutil.copy(exp / "final" / "pytorch_model.bin", tmp_path / "whole.bin")
     no_swap_files_under(nvme)
     (exp / "latest").write_text("global_step4")
-    run("ds_bert_mlm.py", [*common, "--load_checkpoint_dir", str(exp), "--out", str(tmp_path / "b.json")], nproc)
+    run("ds_bert_mlm.py", [*args(*then), "--load_checkpoint_dir", str(exp), "--out", str(tmp_path / "b.json")],
+        nproc)
     resumed = json.loads((tmp_path / "b.json").read_text())
     assert resumed["start_step"] == 5, "client_state['checkpoint_step'] came back"
     assert resumed["losses"] == {k: v for k, v in whole["losses"].items() if int(k) >= 5}
