@@ -195,7 +195,7 @@ class InfinityTrainer(Trainer):
             section = fill_scheduler(copy.deepcopy(section), self.args, max_steps)
             cfg = load_config({"scheduler": section})
             sched = build_scheduler(cfg.scheduler, self._engine.optimizer)
-        self.lr_scheduler = _StepsUnlessSkipped(sched, self._engine)
+        self.lr_scheduler = _StepsUnlessSkipped(sched, self.optimizer)
         self._created_lr_scheduler = True
 
     # ------------------------------------------------------ backward and step
@@ -297,12 +297,12 @@ class _StepsUnlessSkipped:
     """The scheduler the Trainer steps: it does not advance after an fp16 step the engine skipped (the
     DeepSpeed engine's rule), and otherwise is the scheduler itself."""
 
-    def __init__(self, scheduler, engine):
+    def __init__(self, scheduler, optimizer: EngineOptimizer):
         self.scheduler = scheduler
-        self.engine = engine
+        self._optimizer = optimizer  # not `optimizer`: that name is the scheduler's own, forwarded below
 
     def step(self, *args, **kwargs):
-        if getattr(self.engine.optimizer, "overflow", False):
+        if self._optimizer.overflow:
             return
         self.scheduler.step(*args, **kwargs)
 
@@ -389,24 +389,13 @@ def fill_from_training_args(raw: dict, args: TrainingArguments) -> None:
     fill("train_batch_size", micro * gas * world, "per_device_train_batch_size x gradient_accumulation_steps x "
          "world_size")
     fill("gradient_clipping", args.max_grad_norm, "max_grad_norm")
-    for dtype, on in (("fp16", args.fp16), ("bf16", args.bf16)):
-        section = raw.setdefault(dtype, {})
-        if section.get("enabled", "auto") == "auto":
-            section["enabled"] = bool(on)
-        elif bool(section["enabled"]) != bool(on):
-            mismatches.append(f"{dtype}.enabled={section['enabled']!r} but TrainingArguments.{dtype}={bool(on)!r}")
-    opt = raw.get("optimizer")
-    if opt is not None:
-        params = opt.setdefault("params", {})
-        for key, value, arg in (("lr", args.learning_rate, "learning_rate"),
-                                ("betas", [args.adam_beta1, args.adam_beta2], "adam_beta1/adam_beta2"),
-                                ("eps", args.adam_epsilon, "adam_epsilon"),
-                                ("weight_decay", args.weight_decay, "weight_decay")):
-            have = params.get(key, "auto")
-            if have == "auto":
-                params[key] = value
-            elif not _same(have, value):
-                mismatches.append(f"optimizer.params.{key}={have!r} but TrainingArguments.{arg}={value!r}")
+    fill("fp16.enabled", bool(args.fp16), "fp16")
+    fill("bf16.enabled", bool(args.bf16), "bf16")
+    if raw.get("optimizer") is not None:  # no section: the Trainer's optimizer is taken over as it is
+        fill("optimizer.params.lr", args.learning_rate, "learning_rate")
+        fill("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1/adam_beta2")
+        fill("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
+        fill("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
     if mismatches:
         raise ValueError("InfinityTrainer: the config and TrainingArguments disagree (write \"auto\" in the "
                          "config to take TrainingArguments' value, or change one side):\n  " + "\n  ".join(mismatches))
