@@ -12,9 +12,10 @@ Each variant runs in its own process (a clean peak RSS) on a model of --params f
   DeepSpeed offloads the optimizer to NVMe only at stage 3).
 Printed: each median, its ratio to torch's (of the same kind), the peak RSS over the process's RSS before
 the optimizer existed, and for the NVMe optimizer step the bytes moved and the floor they imply at the
-disk's O_DIRECT read and write rates measured in the same run (`infinity bench io`, the best backend's).
-DeepSpeed's variants run under --ds-python, a Python where deepspeed is installed (kept out of this repo's
-environment).
+disk's O_DIRECT read and write rates measured just before and just after it (`infinity bench io`, the best
+backend's; the mean of the two, since the disk drifts).
+DeepSpeed's and torchao's variants run under --ds-python, a Python where the peers are installed (kept out of
+this repo's environment).
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ def child(kind: str, params: int, steps: int, directory: str) -> dict:
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     n = sum(p.numel() for p in model.parameters())
+    # bytes one step reads (and writes again): the state files' sizes, as the optimizer laid them out
+    moved = sum(s.state.io_bytes for s in opt.sub_groups) if kind == "nvme" else 0
     if hasattr(opt, "close"):
         opt.close()
     return {"kind": kind, "params": n, "step_s": statistics.median(times[1:]), "first_s": times[0],
-            "peak_over_start_bytes": peak - rss0}
+            "steps_s": times, "peak_over_start_bytes": peak - rss0, "state_bytes": moved}
 
 
 def whole_steps(kind: str, model, width: int, steps: int, directory: str) -> dict:
@@ -141,35 +144,43 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--dir", default=None, help="where the NVMe variant's swap files go (default: a temp dir)")
     p.add_argument("--child", default=None)
-    p.add_argument("--ds-python", default=None, help="a python with deepspeed installed: adds DeepSpeedCPUAdam")
+    p.add_argument("--ds-python", default=None, help="a python with the peers installed (deepspeed, torchao): adds "
+                                                      "their rows")
     a = p.parse_args()
     if a.child:
         print(json.dumps(child(a.child, int(a.params), a.steps, a.dir)))
         return
     directory = a.dir or tempfile.mkdtemp(prefix="offload-bench-")
     results = {}
+    rates = []  # the disk's rates just before and just after the NVMe optimizer step (it drifts within the hour)
     for kind in ("torch", "cpu", "nvme", "torchao", "deepspeed", "loop-torch", "loop-cpu", "loop-nvme",
                  "loop-deepspeed"):
-        python = a.ds_python if kind.endswith("deepspeed") else sys.executable
+        python = a.ds_python if kind.endswith("deepspeed") or kind == "torchao" else sys.executable
         if python is None:
             print(f"{kind}: not run (no --ds-python)")
             continue
+        if kind == "nvme":
+            rates.append(disk_rates(directory))
         out = subprocess.run([python, __file__, "--child", kind, "--params", str(a.params), "--steps",
                               str(a.steps), "--dir", directory], capture_output=True, text=True)
+        if kind == "nvme":
+            rates.append(disk_rates(directory))
         if out.returncode != 0:
             print(f"{kind}: not run ({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode})")
             continue
         results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-    read_rate, write_rate = disk_rates(directory)
+    read_rate = statistics.mean(r for r, _ in rates) if rates else 0.0
+    write_rate = statistics.mean(w for _, w in rates) if rates else 0.0
     for kind, r in results.items():
         base = results["loop-torch" if kind.startswith("loop-") else "torch"]["step_s"]
         line = (f"{kind:8s} {r['params'] / 1e6:.1f}M params  step {r['step_s'] * 1e3:8.1f} ms  "
                 f"x{r['step_s'] / base:5.2f} of torch  peak RSS +{r['peak_over_start_bytes'] / 2**20:7.0f} MiB")
         if kind == "nvme":
-            state = 12 * r["params"]  # [p|m|v] fp32, read once and written once per step
+            state = r["state_bytes"]  # read once and written once per step
             floor = state / read_rate + state / write_rate  # one disk: the reads and writes share it
-            line += (f"  moves {2 * state / 2**20:.0f} MiB/step; I/O floor at {read_rate / 1e9:.2f} GB/s read, "
-                     f"{write_rate / 1e9:.2f} GB/s write: {floor * 1e3:.0f} ms (x{r['step_s'] / floor:.2f} of it)")
+            line += (f"  moves {2 * state / 2**20:.0f} MiB/step ({state / r['params']:.0f} B/param each way); "
+                     f"I/O floor at {read_rate / 1e9:.2f} GB/s read, {write_rate / 1e9:.2f} GB/s write (mean of "
+                     f"{len(rates)} runs beside it): {floor * 1e3:.0f} ms (x{r['step_s'] / floor:.2f} of it)")
         print(line)
     print(json.dumps({"results": results, "disk_read_Bps": read_rate, "disk_write_Bps": write_rate}))
 

@@ -15,9 +15,11 @@ clip_grad_norm_, an accelerate or Lightning loop: all before step()). What moves
   the last one's write landing meanwhile): the sub-group's gradients are copied into one fp32 host buffer,
   the SIMD CPU Adam steps the state in one pass, and the new master values are copied back into the
   parameters (rounded to their dtype as `copy_` rounds).
-- fp32 parameters in host memory with the state in RAM are their own master: Adam steps them in place
-  (their gradients too are read where they are), as DeepSpeedCPUAdam does, so the state is the two moments
-  (8 bytes per parameter) and nothing is copied.
+- fp32 parameters in host memory are their own master: Adam steps them in place (their gradients too are
+  read where they are), as DeepSpeedCPUAdam does, so the state is the two moments (8 bytes per parameter,
+  4 with bf16 moments) and no weights are copied. On NVMe such a sub-group's file holds the moments only
+  (NvmeState(master=False)), so a step moves 8 bytes per parameter each way instead of 12: a second fp32
+  copy of weights that already sit in RAM would only cost disk time.
 - torch AdamW's semantics, exactly: hyper-parameters are read from param_groups at every step (so torch lr
   schedulers work), a parameter without a gradient is skipped (its moments and step count stay), each
   parameter counts its own steps for bias correction, and weight decay is decoupled (Adam with L2 when
@@ -79,7 +81,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     collected, and at exit.
 
     On NVMe the memory it holds is `buffer_count` buffers of the largest sub-group's state (12 B per parameter,
-    8 with bf16 moments): 4 x 10M parameters is 480 MB by default. A parameter larger than `sub_group_size` is
+    8 with bf16 moments; 8 and 4 when every parameter is fp32 in host memory, its own master): 4 x 10M
+    parameters is 480 MB by default (320 MB for fp32 host parameters). A parameter larger than `sub_group_size` is
     a sub-group of its own, so a large embedding sets the buffer size."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
@@ -116,16 +119,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._steps = {id(p): 0 for g in self.param_groups for p in g["params"]}
         """Each parameter's own step count (torch's state["step"]): a step without its gradient leaves it."""
         self._grad = None  # one fp32 host buffer, the largest sub-group's size
+        # per sub-group: its parameters are fp32 in host memory, so they are their own master
+        own = [all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous() for p in s.params)
+               for s in self.sub_groups]
         if offload == "nvme":
             self._swap = _swap_context(nvme_path, buffer_count, max(s.numel for s in self.sub_groups),
-                                       moments_dtype, _rank(rank))
+                                       moments_dtype, _rank(rank), master=not all(own))
             # The files go with close(), when this optimizer is collected, or at exit, whichever comes first
             # ([Note: swap files die with the process]): the finalizer holds the swap context, not the optimizer.
             self._finalizer = weakref.finalize(self, self._swap.close)
-        for s in self.sub_groups:
+        for s, own_master in zip(self.sub_groups, own):
             if self._swap is not None:
-                s.state = NvmeState(s.numel, self._swap.swapper, f"offload_adam/g{s.index}", moments=self.moments)
-            elif all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous() for p in s.params):
+                s.state = NvmeState(s.numel, self._swap.swapper, f"offload_adam/g{s.index}", moments=self.moments,
+                                    master=not own_master)
+            elif own_master:
                 s.state = _MomentsOnly(s.numel, self.moments)
             else:
                 s.state = HostState(s.numel, pin=self._pin(s), moments=self.moments)
@@ -423,10 +430,10 @@ def _rank(rank: int | None) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _swap_context(nvme_path: str, buffer_count: int, largest: int, moments_dtype: str, rank: int):
+def _swap_context(nvme_path: str, buffer_count: int, largest: int, moments_dtype: str, rank: int, *, master: bool):
     from infinity.config import load_config
     from infinity.swap import SwapContext
 
     cfg = load_config({"zero_optimization": {"stage": 1, "offload_optimizer": {
         "device": "nvme", "nvme_path": nvme_path, "buffer_count": buffer_count, "moments_dtype": moments_dtype}}})
-    return SwapContext.for_optimizer(cfg, rank=rank, largest_group_numel=largest)
+    return SwapContext.for_optimizer(cfg, rank=rank, largest_group_numel=largest, master=master)

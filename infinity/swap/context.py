@@ -36,17 +36,18 @@ class SwapContext:
 
     @classmethod
     def for_optimizer(cls, cfg: Config, *, rank: int = 0, largest_group_numel: int | None = None,
-                      tail_bytes: int = 0) -> "SwapContext":
+                      tail_bytes: int = 0, master: bool = True) -> "SwapContext":
         """One buffer holds a whole sub-group's [param | exp_avg | exp_avg_sq] (12 B per parameter; 8 with bf16
         moments), and `tail_bytes` per parameter after it: the weights' compute-dtype copy (2 with bf16/fp16
-        shards kept in the state, see [Note: compute-dtype shards in the optimizer file] in engine/alias.py)."""
+        shards kept in the state, see [Note: compute-dtype shards in the optimizer file] in engine/alias.py).
+        `master=False`: the groups hold the moments only (NvmeState(master=False))."""
         off = cfg.zero_optimization.offload_optimizer
         if Tier(off.device) is not Tier.NVME:
             raise ValueError('SwapContext: zero_optimization.offload_optimizer.device is not "nvme"; nothing to swap')
         group = cfg.zero_optimization.sub_group_size if largest_group_numel is None else largest_group_numel
         if group < 1:
             raise ValueError(f"SwapContext: largest_group_numel must be >= 1, got {group}")
-        per = state_bytes(MOMENT_DTYPES[off.moments_dtype]) + tail_bytes
+        per = state_bytes(MOMENT_DTYPES[off.moments_dtype], master=master) + tail_bytes
         pool_bytes = off.buffer_count * per * group
         budget = cfg.infinity.memory_budget
         if budget is not None and pool_bytes > budget:

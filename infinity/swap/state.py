@@ -37,9 +37,10 @@ MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """offload_optimizer.moments_dtype's spellings."""
 
 
-def state_bytes(moments: torch.dtype = torch.float32) -> int:
-    """Bytes of optimizer state per parameter: the fp32 master weight and two moments (12, or 8 with bf16)."""
-    return 4 + 2 * torch.empty((), dtype=moments).element_size()
+def state_bytes(moments: torch.dtype = torch.float32, *, master: bool = True) -> int:
+    """Bytes of optimizer state per parameter: the fp32 master weight and two moments (12, or 8 with bf16);
+    without the master (parameters that are their own master), the moments' 8 (or 4)."""
+    return (4 if master else 0) + 2 * torch.empty((), dtype=moments).element_size()
 
 
 @dataclass(slots=True)
@@ -223,18 +224,25 @@ class NvmeState(GroupState):
     weights in that dtype (AdamViews.lowp), written with the state and never
     read back with it (see [Note: compute-dtype shards in the optimizer file]
     in engine/alias.py). A write then moves 2 bytes per parameter more than a read.
+
+    With `master=False` the partition is [exp_avg | exp_avg_sq] only and AdamViews.param is None: for
+    parameters that are their own fp32 master in host memory (OffloadAdamW steps them in place), so a step moves
+    8 bytes per parameter each way instead of 12.
     """
 
     tier = Tier.NVME
 
     def __init__(self, numel: int, swapper: TensorSwapper, part_id: str, *, moments: torch.dtype = torch.float32,
-                 lowp: torch.dtype | None = None):
+                 lowp: torch.dtype | None = None, master: bool = True):
         super().__init__(numel, moments)
+        if lowp is not None and not master:
+            raise ValueError("NvmeState: a compute-dtype tail needs the master weights in the partition")
+        self.master = master
         self.swapper = swapper
         self.id = part_id
         self._read = None  # the prefetched (or open()'s) read future
         self._blank = None  # the pool buffer open(blank=True) took, until close() hands it to the write
-        self._words = state_bytes(moments) * numel // 4
+        self._words = state_bytes(moments, master=master) * numel // 4
         """The partition's length in fp32 words (it is swapped as fp32; the moments are viewed in their dtype)."""
         self.lowp = lowp
         self.tail_nbytes = 0 if lowp is None else numel * torch.empty((), dtype=lowp).element_size()
@@ -256,6 +264,9 @@ class NvmeState(GroupState):
     def _views(self, buf) -> AdamViews:
         n = self.numel
         state = buf.view(torch.float32, self._words)
+        if not self.master:
+            moments = state.view(self.moments)
+            return AdamViews(None, moments[:n], moments[n:])
         moments = state[n:].view(self.moments)
         lowp = None
         if self.lowp is not None:
@@ -282,7 +293,7 @@ class NvmeState(GroupState):
         return self._read is not None
 
     def lend(self, offset: int, numel: int):
-        if self._read is None:
+        if self._read is None or not self.master:
             return None
         return _Lent(self._read, slice(offset, offset + numel))
 

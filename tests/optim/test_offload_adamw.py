@@ -98,8 +98,29 @@ def test_a_plain_loop_matches_torch_adamw(tier, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if tier == "nvme":
         assert len(opt.sub_groups) > 2 and os.listdir(tmp_path / "nvme" / "infinity-swap")
+        # fp32 parameters in RAM are their own master: the files hold the two moments, 8 B per parameter
+        for s in opt.sub_groups:
+            assert s.state.io_bytes == 8 * s.numel and os.path.getsize(s.state.path) >= 8 * s.numel
+        assert opt._swap.swapper.pool.size == 8 * max(s.numel for s in opt.sub_groups)
     opt.close()
     assert not list((tmp_path / "nvme").rglob("*.swp")), "close() removes the swap files"
+
+
+def test_nvme_keeps_a_master_only_for_parameters_that_are_not_fp32_in_ram(tmp_path):
+    """A bf16 layer beside fp32 ones: its sub-group's file holds [master | m | v] (12 B per parameter), the fp32
+    ones' the moments (8 B), the pool's buffers fit the larger, and the losses follow torch AdamW over the same
+    mixed model (the bf16 layer keeps an fp32 master there too, as the parameter rounded each step)."""
+    def mixed():
+        torch.manual_seed(0)
+        m = TinyLM()
+        m.fc.to(torch.bfloat16)
+        return m
+
+    opt = OffloadAdamW(mixed().parameters(), offload="nvme", nvme_path=str(tmp_path / "nvme"), sub_group_size=1)
+    per = {s.params[0].dtype: s.state.io_bytes // s.numel for s in opt.sub_groups}
+    assert per == {torch.float32: 8, torch.bfloat16: 12}
+    assert opt._swap.swapper.pool.size >= 12 * max(s.numel for s in opt.sub_groups)
+    opt.close()
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
@@ -239,3 +260,61 @@ def test_ddp_on_two_ranks_matches_one_process_over_the_global_batch(tmp_path):
     got = [float(v) for v in (tmp_path / "losses.txt").read_text().split()]
     assert got == pytest.approx(ref, rel=1e-5)
     assert not list(tmp_path.rglob("*.swp"))
+
+
+def test_lightning_trains_and_resumes_with_it(tmp_path):
+    """A LightningModule whose configure_optimizers returns OffloadAdamW (nvme) with a per-step warmup schedule,
+    under Lightning's Trainer with gradient_clip_val and accumulate_grad_batches: Lightning calls step(closure)
+    with its clip inside the closure. The losses are torch AdamW's within 1e-5, and a run resumed from
+    Lightning's own checkpoint (optimizer.state_dict() inside it) continues with the uninterrupted run's losses."""
+    L = pytest.importorskip("lightning", reason="lightning is not installed (make deps installs it)")
+
+    g = torch.Generator().manual_seed(1)
+    data = [batch(g) for _ in range(32)]
+
+    class LitLM(L.LightningModule):
+        def __init__(self, kind):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lm = TinyLM()
+            self.kind = kind
+            self.losses = []
+
+        def training_step(self, b, i):
+            x, y = b
+            loss = F.cross_entropy(self.lm(x).reshape(-1, VOCAB), y.reshape(-1))
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            if self.kind == "torch":
+                opt = torch_adamw(groups(self.lm))
+            else:
+                opt = OffloadAdamW(groups(self.lm), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, offload="nvme",
+                                   nvme_path=str(tmp_path / "nvme"), sub_group_size=3000)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def fit(kind, max_steps, ckpt=None, save=None, skip=0):
+        lit = LitLM(kind)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, gradient_clip_val=0.5,
+                            accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        loader = torch.utils.data.DataLoader(data[skip:], batch_size=None, shuffle=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a list is not a resumable loader: the resume is given the rest
+            trainer.fit(lit, loader, ckpt_path=ckpt)
+        if save:
+            trainer.save_checkpoint(save)
+        opt = trainer.optimizers[0]
+        if isinstance(opt, OffloadAdamW):
+            opt.close()
+        return lit.losses
+
+    ref = fit("torch", 10)
+    got = fit("offload", 10)
+    assert len(got) == 20 and got == pytest.approx(ref, rel=1e-5)
+    assert got[-1] < got[0]
+    first = fit("offload", 6, save=str(tmp_path / "six.ckpt"))
+    rest = fit("offload", 10, ckpt=str(tmp_path / "six.ckpt"), skip=12)
+    assert first == got[:12] and rest == got[12:], "resumed from Lightning's checkpoint: the same losses"
