@@ -260,3 +260,41 @@ def test_eval_in_the_metrics_and_resume_refuses_another_data_order(files, tmp_pa
     again = train(*common, "--steps", "4", "--resume", "--seed", "5", "--out", str(tmp_path / "b"))
     assert again.returncode == 2
     assert "was saved by a run with seed 0 (now 5); resume with the same settings" in again.stderr
+
+
+def test_a_second_signal_stops_at_once_and_a_repeat_of_the_first_does_not(monkeypatch, capfd):
+    """StopBetweenSteps on rank 0 of 2 (its handler called as the signal would call it): the first SIGINT asks
+    for a stop after the step, the same signal again within REPEAT_S is that one arriving twice, a later one
+    (or another signal) stops at once, and check() raises the agreed stop on every rank."""
+    import signal as sig
+
+    from infinity.tools import train as tr
+
+    class Comm:
+        world, rank = 2, 0
+
+        def all_reduce_(self, t, op=None):
+            t.fill_(max(int(t.item()), self.other))
+
+    clock = [100.0]
+    monkeypatch.setattr(tr.time, "monotonic", lambda: clock[0])
+    comm = Comm()
+    comm.other = 0
+    stop = tr.StopBetweenSteps(comm)
+    stop.check()  # nobody asked: returns
+    stop._on_signal(sig.SIGINT, None)
+    assert "stopping after this step (send the signal again to stop now)" in capfd.readouterr().err
+    clock[0] += 0.5
+    stop._on_signal(sig.SIGINT, None)  # the same Ctrl-C reaching this rank a second way: nothing
+    with pytest.raises(KeyboardInterrupt) as first:
+        stop.check()
+    assert type(first.value) is KeyboardInterrupt
+    clock[0] += tr.StopBetweenSteps.REPEAT_S
+    with pytest.raises(KeyboardInterrupt):
+        stop._on_signal(sig.SIGINT, None)  # pressed again: now
+    with pytest.raises(tr.Terminated):
+        stop._on_signal(sig.SIGTERM, None)  # another signal after the first: now, whatever the interval
+    other = tr.StopBetweenSteps(comm)
+    comm.other = int(sig.SIGTERM)  # the other rank was asked to stop: this one stops with it, as SIGTERM
+    with pytest.raises(tr.Terminated):
+        other.check()

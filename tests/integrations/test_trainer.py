@@ -229,6 +229,18 @@ def test_an_epoch_ending_in_a_short_accumulation_matches_the_trainer(model_dir, 
                                "dtype"),
     ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
      "TrainingArguments.load_best_model_at_end=True is not supported"),
+    # set after construction: TrainingArguments checks some of them against packages or launchers this
+    # machine has not (liger-kernel, a parallel launch), and the refusal must not depend on that
+    ({"after": {"enable_jit_checkpoint": True}}, "enable_jit_checkpoint=True is not supported: it saves between "
+                                                 "backward and the optimizer step"),
+    ({"after": {"parallelism_config": {"tp_size": 2}}}, "parallelism_config=.* is not supported: tensor/context "
+                                                        "parallelism is not composed with the engine"),
+    ({"after": {"save_on_each_node": True}}, "save_on_each_node=True is not supported: the engine's save writes "
+                                             "from global rank 0 only"),
+    ({"after": {"use_liger_kernel": True}}, "use_liger_kernel=True is not supported: Liger's kernels patch the "
+                                            "model's modules"),
+    ({"after": {"auto_find_batch_size": True}}, "auto_find_batch_size=True is not supported: the engine's batch "
+                                                "sizes are fixed at build time"),
 ])
 def test_arguments_it_cannot_honour_are_refused_by_name(over, message, model_dir, tmp_path):
     over = dict(over)
@@ -303,3 +315,25 @@ def test_trls_sft_trainer_runs_on_the_engine_as_a_mixin(model_dir, tmp_path):
     assert len(got) == 6 and got == pytest.approx(want, rel=1e-5)
     assert got[-1] < got[0] - 0.5
     ours.engine.close()
+
+
+def test_tensorboard_logs_the_engines_losses(model_dir, tmp_path):
+    """report_to=["tensorboard"]: the Trainer's TensorBoard callback writes an event file whose train/loss,
+    train/learning_rate and train/grad_norm scalars are the ones in log_history, one per optimizer step."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (make deps installs it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs = tmp_path / "out"  # the callback writes under output_dir/runs/
+    t = infinity_trainer(model_dir, logs, zero3("cpu", tmp_path), max_steps=4, report_to=["tensorboard"])
+    t.train()
+    losses, norms, lrs = history(t)
+    t.engine.close()
+    runs = [os.path.join(d, f) for d, _, fs in os.walk(logs) for f in fs if f.startswith("events.out.tfevents")]
+    assert runs, f"no event file under {logs}"
+    acc = EventAccumulator(os.path.dirname(runs[0]))
+    acc.Reload()
+    scalars = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert len(losses) == 4
+    assert scalars["train/loss"] == pytest.approx(losses, rel=1e-6)
+    assert scalars["train/learning_rate"] == pytest.approx(lrs, rel=1e-6)
+    assert scalars["train/grad_norm"] == pytest.approx(norms, rel=1e-6)
