@@ -10,6 +10,8 @@ slow, never exhausted (DeepSpeed's "not enough buffers" cannot happen).
 A parameter fetched again within `stage3_max_reuse_distance` elements of
 trace (a tied weight used at the end of forward and the start of backward,
 say) keeps its shard (on the compute device) in between instead of being read twice.
+Which uses keep their shard is planned once, when the trace is recorded
+(see [Note: the reuse cache is planned]).
 When a fetch is not where the cursor expects, the order changed: the
 cursor resynchronises if the shard is a little further on, otherwise the
 step goes on without prefetching (still correct) and the next step records
@@ -28,6 +30,21 @@ import torch
 from dataclasses import dataclass
 
 _RESYNC_WINDOW = 64
+
+# [Note: the reuse cache is planned]
+# The cache and the reads in flight share the prefetch bucket. Deciding at run time, at each fetch, whether
+# the shard fits the cache let the prefetch skip a later use as "served from the cache" that the cache had
+# then refused for want of room: that use became a read on the critical path. With activation checkpointing
+# every block's weights are used in forward, again in backward's recomputation and again in its backward, so
+# a 1e9 reuse distance (DeepSpeed's shipped value) filled the bucket with forward's copies, and gpt-125m's
+# prefetch hit 59 % of fetches. So the plan decides, from the recorded trace, and the run follows it:
+# - candidates are consecutive uses of one parameter within the reuse distance, taken shortest first (the
+#   recomputation and its backward, a few shards apart, before forward and a far-off recomputation: each
+#   kept element then saves a read for the least cache time);
+# - one is kept only if the cache stays within `bucket - largest shard` over the whole span, so a read of any
+#   shard always has room ahead of use;
+# - a kept use's next use is skipped by the prefetch; a keep the run cannot honour (the trace resynchronised
+#   past a use) hands that next use back to the prefetch, which reads it if it is still ahead.
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,6 +75,7 @@ class PrefetchScheduler:
         self.trace: list = []
         self.reused: list[bool] = []  # trace[j] comes from the reuse cache (see the note)
         self.keep: list[bool] = []  # after trace[j]'s fetch, keep the shard for its next use
+        self.next_use: list[int] = []  # trace index of trace[j]'s next use (-1: none)
         self.recording = True
         self.pos = 0
         self.ahead = 0
@@ -132,11 +150,15 @@ class PrefetchScheduler:
             else:
                 st.bytes_read += view.numel() * view.element_size()
             self._prefetch()
-        if j is not None and self.keep[j] and self._held() + mp.part <= self.bucket:
-            # The cache keeps this rank's shard: out itself with one rank (it is the padded full parameter),
-            # else a copy of the shard's slice of the gathered value.
-            mp.reuse = cached if cached is not None else self.store.own_slice(out)
-            self.cached += mp.part
+        if j is not None and self.keep[j]:
+            if self.cached + mp.part <= self.bucket:
+                # The cache keeps this rank's shard: out itself with one rank (it is the padded full parameter),
+                # else a copy of the shard's slice of the gathered value.
+                mp.reuse = cached if cached is not None else self.store.own_slice(out)
+                self.cached += mp.part
+            else:  # off the plan (a resync skipped a use): the next use is read again
+                self.reused[self.next_use[j]] = False
+                self.ahead = min(self.ahead, self.next_use[j])
         return out
 
     def _start(self, mp, sid: str, backward: bool, **prefetch):
@@ -175,18 +197,33 @@ class PrefetchScheduler:
         self.cached = 0
 
     def _plan_reuse(self) -> None:
-        """After recording: which fetches keep their shard for a next use within the reuse distance."""
+        """After recording: which fetches keep their shard for the next use (see [Note: the reuse cache is
+        planned])."""
         n = len(self.trace)
         self.keep = [False] * n
         self.reused = [False] * n
+        self.next_use = [-1] * n
         last: dict[int, int] = {}
         between = [0] * (n + 1)
+        pairs = []
         for j, mp in enumerate(self.trace):
             between[j + 1] = between[j] + mp.part
             i = last.get(id(mp))
-            if i is not None and between[j] - between[i + 1] <= self.reuse_distance:
-                self.keep[i] = self.reused[j] = True
+            if i is not None:
+                self.next_use[i] = j
+                distance = between[j] - between[i + 1]
+                if distance <= self.reuse_distance:
+                    pairs.append((distance, i, j))
             last[id(mp)] = j
+        cap = self.bucket - max((mp.part for mp in self.trace), default=0)
+        occupied = [0] * n  # cached elements while trace[t] is fetched, for the kept spans so far
+        for _, i, j in sorted(pairs):
+            part = self.trace[i].part
+            if max(occupied[i + 1:j], default=0) + part > cap:
+                continue
+            for t in range(i + 1, j):
+                occupied[t] += part
+            self.keep[i] = self.reused[j] = True
 
     def _prefetch(self) -> None:
         if self.recording or self.broken:
