@@ -36,7 +36,7 @@ def load_config(source, *, nvme_path: str | os.PathLike | None = None) -> Config
         raw = _override_nvme(raw, os.fspath(nvme_path))
     notes = _Notes()
     cfg = _build(Config, raw, "", notes)
-    cfg = dataclasses.replace(cfg, ignored=tuple(notes.ignored), auto=tuple(notes.auto),
+    cfg = dataclasses.replace(cfg, ignored=tuple(notes.ignored), auto=tuple(notes.auto), given=frozenset(notes.given),
                               optimizer_given="optimizer" in raw)
     cfg = _legacy(cfg)
     cfg = _partial_offload(cfg, notes)
@@ -59,6 +59,8 @@ class _Notes:
 
     ignored: list = dataclasses.field(default_factory=list)
     auto: list = dataclasses.field(default_factory=list)
+    given: list = dataclasses.field(default_factory=list)
+    canonical: dict = dataclasses.field(default_factory=dict)  # a key as spelled -> under its fields' names
 
 
 _AUTO = object()
@@ -117,9 +119,11 @@ def _build(cls, raw, path: str, notes: _Notes):
     accepted = DEEPSPEED_ACCEPTED.get(path, set())
     values: dict = {}
     spelled: dict = {}  # field name -> the key it was given as
+    canonical_path = notes.canonical.get(path, path)
     for key, value in raw.items():
         where = f"{path}.{key}" if path else key
         name = aliases.get(key, key)
+        notes.canonical[where] = f"{canonical_path}.{name}" if canonical_path else name
         if name in values:
             raise ConfigError(where, f"given twice (as {spelled[name]} and as {key}); keep one")
         spelled[name] = key
@@ -136,6 +140,7 @@ def _build(cls, raw, path: str, notes: _Notes):
         if where in INERT_REASONS:
             notes.ignored.append(f"{where} ({INERT_REASONS[where]})")
         values[name] = v
+        notes.given.append(notes.canonical[where])
     return cls(**values)
 
 

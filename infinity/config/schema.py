@@ -252,6 +252,9 @@ class Config:
     """DeepSpeed keys that were accepted but have no effect here, each as "key (why)" (filled by the loader)."""
     auto: tuple = field(default=(), metadata={"internal": True})
     """Dotted keys given as "auto" (see [Note: auto] in resolve.py)."""
+    given: frozenset = field(default=frozenset(), metadata={"internal": True})
+    """Dotted keys the config wrote a value for (aliases under their field's name): the sizes not among them
+    are the engine's to fit to the model (see [Note: sizes fitted to the model] in engine/sizing.py)."""
     optimizer_given: bool = field(default=True, metadata={"internal": True})
     """False when the config had no optimizer section (the default AdamW is then said once)."""
 

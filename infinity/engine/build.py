@@ -62,7 +62,10 @@ def pool_shard_numel(cfg: Config, model: torch.nn.Module, world: int) -> int:
     buffer: 2 GB for the default 5 buffers, allocated and touched up front, for any model (5.4 s of memset for
     a two-layer model, in every rank of every run). When the model is known before the store is built
     (initialize without zero_init), a buffer is never made larger than the largest shard; a buffer_size below
-    that shard keeps its meaning (and its error). Under zero_init the store comes before the model, so
-    buffer_size stands."""
+    that shard keeps its meaning (and its error). Under zero_init the store comes before the model: `infinity
+    train` and InfinityTrainer measure the model on the meta device and fit buffer_size before it (see [Note:
+    sizes fitted to the model] in sizing.py); a user's own zero_init block gets the config's buffer_size."""
+    from infinity.engine.sizing import fit_param_buffer
+
     largest = max((math.ceil(p.numel() / world) for p in model.parameters()), default=1)
-    return min(cfg.zero_optimization.offload_param.buffer_size, largest)
+    return fit_param_buffer(cfg, largest).zero_optimization.offload_param.buffer_size

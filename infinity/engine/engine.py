@@ -30,6 +30,7 @@ from infinity.engine.memory import CONSTRUCTION, set_mmap_threshold
 from infinity.engine.module_surface import ModuleSurface
 from infinity.engine.optimizer import ShardedAdam, shards_in_state
 from infinity.engine.params import ParamStore, managed
+from infinity.engine.sizing import fit_optimizer
 from infinity.engine.zero_init import current_store
 from infinity.swap.state import MOMENT_DTYPES, state_bytes
 from infinity.swap.telemetry import Trace
@@ -90,9 +91,11 @@ class Engine(ModuleSurface):
     """A model whose parameters, gradients and optimizer state are partitioned and offloaded per the config."""
 
     def __init__(self, model: torch.nn.Module, cfg: Config, store: ParamStore, optimizer: ShardedAdam,
-                 hooks: ParamHooks, lr_scheduler=None, batch=None):
+                 hooks: ParamHooks, lr_scheduler=None, batch=None, fitted: str = ""):
         self.module = model
         self.config = cfg
+        self.fitted = fitted
+        """What initialize fitted to the model and why (see [Note: sizes fitted to the model]), or ""."""
         self.store = store
         self.comm = store.comm
         self.optimizer = optimizer
@@ -593,15 +596,22 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
         failed()
         raise
     opt_swap = None
+    fitted = ""
     try:
         if Tier(cfg.zero_optimization.offload_optimizer.device) is Tier.NVME:
             by_group = [[managed(p) for p in g["params"]] for g in groups]
+
+            def tail_bytes(plan) -> int:
+                in_state = shards_in_state(store, [g.params for g in plan], Tier.NVME,
+                                           cfg.zero_optimization.offload_optimizer.ratio)
+                return 0 if in_state in (None, torch.float32) else in_state.itemsize
+
+            cfg, fitted = fit_optimizer(cfg, by_group, ShardedAdam._plan, tail_bytes)
+            if fitted and comm.rank == 0:
+                log.info("infinity: %s", fitted)
             plan = ShardedAdam._plan(by_group, cfg.zero_optimization.sub_group_size)
-            in_state = shards_in_state(store, [g.params for g in plan], Tier.NVME,
-                                       cfg.zero_optimization.offload_optimizer.ratio)
             opt_swap = SwapContext.for_optimizer(cfg, rank=comm.rank, largest_group_numel=max(
-                (g.numel for g in plan), default=1), tail_bytes=0 if in_state in (None, torch.float32) else
-                in_state.itemsize)
+                (g.numel for g in plan), default=1), tail_bytes=tail_bytes(plan))
             # The engine may be collected before exit without close() (a script's main() returns): its
             # optimizer files go at exit all the same; [Note: swap files die with the process]. The swapper is
             # what is tracked: its reaper threads keep it alive until it is closed, whoever else lets go of it.
@@ -618,7 +628,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     hooks.install(model)
     hooks.guard_state_dict(model)
     try:
-        engine = Engine(model, cfg, store, optimizer, hooks, lr_scheduler, batch)
+        engine = Engine(model, cfg, store, optimizer, hooks, lr_scheduler, batch, fitted)
     except BaseException:  # e.g. a scheduler that does not fit the groups: nothing of this setup may stay behind
         hooks.remove()
         optimizer.close()

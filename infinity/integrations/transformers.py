@@ -41,6 +41,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from infinity.config import ConfigError
+from infinity.engine.sizing import fit_param_buffer
 
 if not all(hasattr(Trainer, name) for name in ("_prepare_for_training", "_run_epoch", "_get_grad_norm")):
     import transformers as _transformers
@@ -455,5 +456,23 @@ def _from_pretrained(path: str, raw: dict, model_class, kwargs: dict):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the config's notes are said once, at initialize
         cfg = infinity.load_config({k: v for k, v in copy.deepcopy(raw).items() if k != "scheduler"})
+    cfg = fit_param_buffer(cfg, _largest_shard(path, model_class, kwargs))
     with infinity.zero_init(cfg):
         return model_class.from_pretrained(path, **kwargs)
+
+
+def _largest_shard(path: str, model_class, kwargs: dict) -> int:
+    """One rank's shard of the model's largest parameter, from the model built on the meta device (nothing is
+    read but config.json): what the parameter pool's buffers must hold (see [Note: sizes fitted to the model])."""
+    import math
+
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    config = kwargs.get("config") or AutoConfig.from_pretrained(path, **{
+        k: v for k, v in kwargs.items() if k in ("revision", "trust_remote_code", "cache_dir", "token")})
+    with torch.device("meta"):
+        meta = model_class.from_config(config) if hasattr(model_class, "from_config") else model_class(config)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(
+        os.environ.get("WORLD_SIZE", "1"))
+    return max((math.ceil(p.numel() / world) for p in meta.parameters()), default=1)

@@ -275,14 +275,12 @@ def _with_lr(args, cfg):
 
 
 def _sized_config(args, nvme: str, largest: int):
-    """The swap config, with nvme_path set and buffers no bigger than this model needs."""
+    """The swap config, with nvme_path set and the parameter pool's buffers fitted to the model's largest
+    parameter before zero_init builds the store (the optimizer's sizes are fitted at initialize)."""
     from infinity.config import load_config
+    from infinity.engine.sizing import fit_param_buffer
 
-    cfg = load_config(args.config, nvme_path=nvme)
-    zero = cfg.zero_optimization
-    param = dataclasses.replace(zero.offload_param, buffer_size=min(zero.offload_param.buffer_size, largest))
-    zero = dataclasses.replace(zero, offload_param=param, sub_group_size=min(zero.sub_group_size, max(largest, 1)))
-    return dataclasses.replace(cfg, zero_optimization=zero)
+    return fit_param_buffer(load_config(args.config, nvme_path=nvme), largest)
 
 
 def _batch_sizes(args, cfg) -> tuple[int, int]:
@@ -324,7 +322,8 @@ def _train(args, out: Path, nvme: str) -> int:
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         meta, vocab, model_seq, _ = build_model(src.directory if src.kind != "preset" else args.model)
-    largest = max(p.numel() for p in meta.parameters())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    largest = max(-(-p.numel() // world) for p in meta.parameters())  # one rank's shard
     del meta
     seq = _sequence_length(args, model_seq, src)
     from infinity.config import load_config
@@ -435,6 +434,8 @@ def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, bas
               f"{steps} steps; bf16={engine.config.bf16.enabled} fp16={engine.config.fp16.enabled}, params on "
               f"{engine.store.tier}, optimizer on {engine.optimizer.tier}, swap files in {nvme}; writing {out}",
               flush=True)
+        if engine.fitted:
+            print(engine.fitted, flush=True)
         with open(out / "run.json", "w") as f:
             json.dump({"model": args.model, "model_source": src.kind, "data": data.describe(), "numel": numel,
                        "trained_numel": trained, "world": world, "micro_batch": micro, "accumulation": accum,

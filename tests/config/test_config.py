@@ -342,3 +342,14 @@ def test_auto_bucket_sizes_come_from_the_models_hidden_size():
     z = resolve_auto(cfg, model).zero_optimization
     assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == \
         (4096, 3686, 640)
+
+
+def test_given_names_the_keys_the_config_wrote_and_not_auto_or_defaults():
+    """Config.given drives which sizes the engine may fit to the model ([Note: sizes fitted to the model]): a key
+    written with a value is in it (an alias under its field's name), one given as "auto" or left out is not."""
+    cfg = load_config({"bfloat16": {"enabled": True}, "zero_optimization": {
+        "stage": 3, "sub_group_size": "auto", "offload_optimizer": {"device": "cpu", "buffer_count": 2}}})
+    assert {"bf16", "bf16.enabled", "zero_optimization.stage", "zero_optimization.offload_optimizer.device",
+            "zero_optimization.offload_optimizer.buffer_count"} <= cfg.given
+    assert "zero_optimization.sub_group_size" not in cfg.given
+    assert "zero_optimization.offload_param.buffer_size" not in cfg.given
