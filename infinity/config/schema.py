@@ -252,9 +252,10 @@ class Config:
     """DeepSpeed keys that were accepted but have no effect here, each as "key (why)" (filled by the loader)."""
     auto: tuple = field(default=(), metadata={"internal": True})
     """Dotted keys given as "auto" (see [Note: auto] in resolve.py)."""
-    given: frozenset = field(default=frozenset(), metadata={"internal": True})
+    given: frozenset | None = field(default=None, metadata={"internal": True})
     """Dotted keys the config wrote a value for (aliases under their field's name): the sizes not among them
-    are the engine's to fit to the model (see [Note: sizes fitted to the model] in engine/sizing.py)."""
+    are the engine's to fit to the model (see [Note: sizes fitted to the model] in engine/sizing.py). None for
+    a Config built in Python rather than loaded: every value in it counts as written."""
     optimizer_given: bool = field(default=True, metadata={"internal": True})
     """False when the config had no optimizer section (the default AdamW is then said once)."""
 

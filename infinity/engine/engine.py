@@ -606,7 +606,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
                                            cfg.zero_optimization.offload_optimizer.ratio)
                 return 0 if in_state in (None, torch.float32) else in_state.itemsize
 
-            cfg, fitted = fit_optimizer(cfg, by_group, ShardedAdam._plan, tail_bytes)
+            cfg, fitted = fit_optimizer(cfg, by_group, ShardedAdam._plan, tail_bytes, say=comm.rank == 0)
             if fitted and comm.rank == 0:
                 log.info("infinity: %s", fitted)
             plan = ShardedAdam._plan(by_group, cfg.zero_optimization.sub_group_size)

@@ -44,7 +44,8 @@ _RESYNC_WINDOW = 64
 # - one is kept only if the cache stays within `bucket - largest shard` over the whole span, so a read of any
 #   shard always has room ahead of use;
 # - a kept use's next use is skipped by the prefetch; a keep the run cannot honour (the trace resynchronised
-#   past a use) hands that next use back to the prefetch, which reads it if it is still ahead.
+#   past a use) hands that next use back to the prefetch for this step only, which reads it if it is still
+#   ahead (else it is a miss); the next step follows the plan again.
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,6 +77,7 @@ class PrefetchScheduler:
         self.reused: list[bool] = []  # trace[j] comes from the reuse cache (see the note)
         self.keep: list[bool] = []  # after trace[j]'s fetch, keep the shard for its next use
         self.next_use: list[int] = []  # trace index of trace[j]'s next use (-1: none)
+        self._handed_back: set[int] = set()  # this step's planned cache uses the cache could not keep
         self.recording = True
         self.pos = 0
         self.ahead = 0
@@ -96,6 +98,7 @@ class PrefetchScheduler:
     def begin_step(self) -> None:
         """Start of a forward: read the head of the trace before the first module asks."""
         self.in_backward = False
+        self._handed_back = set()
         # A forward whose backward never came (evaluation with grad on, a load_checkpoint in between) left reads
         # and cached shards behind: they may be stale, or lent from a state read that was since dropped.
         self._forget_pending()
@@ -156,9 +159,8 @@ class PrefetchScheduler:
                 # else a copy of the shard's slice of the gathered value.
                 mp.reuse = cached if cached is not None else self.store.own_slice(out)
                 self.cached += mp.part
-            else:  # off the plan (a resync skipped a use): the next use is read again
-                self.reused[self.next_use[j]] = False
-                self.ahead = min(self.ahead, self.next_use[j])
+            else:  # off the plan (a resync skipped a use): this step reads the next use (a miss if already passed)
+                self._handed_back.add(self.next_use[j])
         return out
 
     def _start(self, mp, sid: str, backward: bool, **prefetch):
@@ -171,7 +173,9 @@ class PrefetchScheduler:
         return self.swapper.swap_in(sid, **prefetch), False
 
     def _held(self) -> int:
-        """Elements held ahead of use: reads in flight plus the reuse cache, bounded by the prefetch bucket."""
+        """Elements held ahead of use: reads in flight plus the reuse cache. Reads start only within the prefetch
+        bucket; the cache may keep a planned shard beyond it by the reads in flight (at most one shard's worth
+        over, see [Note: the reuse cache is planned])."""
         return self.cached + sum(n for _, n, _ in self.inflight.values())
 
     def _advance(self, mp) -> int | None:
@@ -216,12 +220,12 @@ class PrefetchScheduler:
                     pairs.append((distance, i, j))
             last[id(mp)] = j
         cap = self.bucket - max((mp.part for mp in self.trace), default=0)
-        occupied = [0] * n  # cached elements while trace[t] is fetched, for the kept spans so far
+        occupied = [0] * n  # cached elements once trace[t]'s fetch has returned, for the kept spans so far
         for _, i, j in sorted(pairs):
-            part = self.trace[i].part
-            if max(occupied[i + 1:j], default=0) + part > cap:
+            part = self.trace[i].part  # cached from the end of fetch i until fetch j takes it
+            if max(occupied[i:j]) + part > cap:
                 continue
-            for t in range(i + 1, j):
+            for t in range(i, j):
                 occupied[t] += part
             self.keep[i] = self.reused[j] = True
 
@@ -233,7 +237,7 @@ class PrefetchScheduler:
         while j < len(self.trace):
             mp = self.trace[j]
             sid = mp.home.swap_id(mp)
-            if self.reused[j]:
+            if self.reused[j] and j not in self._handed_back:
                 pass  # served from the reuse cache
             elif sid in self.inflight or sid == self._busy:
                 break  # an earlier use of the same shard is still in flight: one read per partition at a time
@@ -275,5 +279,6 @@ class PrefetchScheduler:
             self.recording = True
         self.broken = False
         self.pos = self.ahead = 0
+        self._handed_back = set()
         self.stats = PrefetchStats(recorded=self.recording)
         return done

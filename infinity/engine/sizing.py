@@ -9,7 +9,7 @@ about 100M parameters' state (1.4 GB) and four of them were more than the
 model's whole training state. A sub-group never splits a shard, so a buffer
 must hold the largest trained shard whatever sub_group_size says; more than
 that buys nothing but fewer, longer reads. So, for the keys the config does
-not write (`Config.given`):
+not write (`Config.given`; a Config built in Python wrote them all):
 - `sub_group_size` becomes the largest trained shard on this rank, and at
   least FLOOR elements (1M: 12 MB reads, large enough to run at the disk's
   rate, without thousands of sub-groups for a model of small tensors);
@@ -22,6 +22,9 @@ not write (`Config.given`):
 A value the config writes always stands; one that makes the pool larger
 than the whole state it swaps is said once, with what leaving it out gives.
 What was chosen, and why, is logged once (`infinity train` prints it).
+Only the NVMe optimizer is fitted: on the CPU tier the sub-group count also
+decides what `offload_optimizer.ratio` keeps on the device, as in DeepSpeed,
+so its `sub_group_size` keeps the config's (or DeepSpeed's) meaning.
 The limit of this: a model whose largest shard is a large share of it still
 needs `buffer_count` buffers of that shard's state. GPT-2's tied embedding
 (38.6M of gpt-125m's 124.5M parameters) makes the fitted pool 2.0 GiB for
@@ -46,33 +49,39 @@ BUFFERS = "zero_optimization.offload_optimizer.buffer_count"
 PARAM_BUFFER = "zero_optimization.offload_param.buffer_size"
 
 
-def fit_optimizer(cfg: Config, by_group: list[list], plan, tail_bytes) -> tuple[Config, str]:
+def written(cfg: Config, key: str) -> bool:
+    """Whether the config wrote `key` (a Config built in Python, not loaded, wrote all of its values)."""
+    return cfg.given is None or key in cfg.given
+
+
+def fit_optimizer(cfg: Config, by_group: list[list], plan, tail_bytes, *, say: bool = True) -> tuple[Config, str]:
     """cfg with the NVMe optimizer's sub_group_size and buffer_count fitted to the trained shards (`by_group`:
     each parameter group's ManagedParams), for the keys the config does not write, and the line saying what
     was chosen and why ("" when the config wrote both). `plan(by_group, sub_group_size)` packs the sub-groups;
-    `tail_bytes(sub_groups)` is the compute-dtype tail per parameter kept in the state (0 without one)."""
+    `tail_bytes(sub_groups)` is the compute-dtype tail per parameter kept in the state (0 without one). `say`:
+    this rank says an oversized written pool (rank 0 only, so it is said once)."""
     zero = cfg.zero_optimization
     off = zero.offload_optimizer
     shards = [mp.part for params in by_group for mp in params]
     largest = max(shards, default=1)
-    sub_group = zero.sub_group_size if SUB_GROUP in cfg.given else max(largest, FLOOR)
+    sub_group = zero.sub_group_size if written(cfg, SUB_GROUP) else max(largest, FLOOR)
     groups = plan(by_group, sub_group)
-    count = off.buffer_count if BUFFERS in cfg.given else max(1, min(off.buffer_count, len(groups)))
+    count = off.buffer_count if written(cfg, BUFFERS) else max(1, min(off.buffer_count, len(groups)))
     per = state_bytes(MOMENT_DTYPES[off.moments_dtype]) + tail_bytes(groups)
     group_numel = max((g.numel for g in groups), default=1)
     pool, state = count * group_numel * per, sum(shards) * per
-    written = [k for k in (SUB_GROUP, BUFFERS) if k in cfg.given]
-    if written and pool > state:
+    wrote = [k for k in (SUB_GROUP, BUFFERS) if cfg.given is not None and k in cfg.given]
+    if wrote and pool > state and say:
         log.warning("infinity: %s make the NVMe optimizer's pool %d buffers of %s parameters' state, %.2f GiB: "
                     "more than the %.2f GiB of state it swaps; leave %s out of the config and the engine fits "
-                    "them to the model", " and ".join(f"{k.rsplit('.', 1)[-1]} {_value(cfg, k):,}" for k in written),
+                    "them to the model", " and ".join(f"{k.rsplit('.', 1)[-1]} {_value(cfg, k):,}" for k in wrote),
                     count, f"{group_numel:,}", pool / 2**30, state / 2**30,
-                    " and ".join(k.rsplit(".", 1)[-1] for k in written))
+                    " and ".join(k.rsplit(".", 1)[-1] for k in wrote))
     parts = []
-    if SUB_GROUP not in cfg.given:
+    if not written(cfg, SUB_GROUP):
         parts.append(f"sub_group_size {sub_group:,} (the largest trained shard is {largest:,} parameters and a "
                      f"sub-group never splits one; at least {FLOOR:,})")
-    if BUFFERS not in cfg.given:
+    if not written(cfg, BUFFERS):
         parts.append(f"buffer_count {count} (of at most {off.buffer_count}, for {len(groups)} sub-group(s))")
     line = ("NVMe optimizer sizes fitted to the model: " + "; ".join(parts)
             + f"; the pool holds {pool / 2**20:,.0f} MiB for {state / 2**20:,.0f} MiB of state") if parts else ""
@@ -86,7 +95,7 @@ def fit_param_buffer(cfg: Config, largest_shard: int) -> Config:
     pool fits the model] in build.py): the shard itself when the config does not write it; a written value
     above it only costs memory, and one below keeps its meaning (and its error)."""
     off = cfg.zero_optimization.offload_param
-    size = min(off.buffer_size, largest_shard) if PARAM_BUFFER in cfg.given else largest_shard
+    size = min(off.buffer_size, largest_shard) if written(cfg, PARAM_BUFFER) else largest_shard
     size = max(size, 1)
     if size == off.buffer_size:
         return cfg

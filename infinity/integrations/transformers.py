@@ -34,6 +34,7 @@ takes the TrainingArguments value (so `max_grad_norm` clips even when the config
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import warnings
 
@@ -42,6 +43,8 @@ from transformers import Trainer, TrainingArguments
 
 from infinity.config import ConfigError
 from infinity.engine.sizing import fit_param_buffer
+
+log = logging.getLogger("infinity")
 
 if not all(hasattr(Trainer, name) for name in ("_prepare_for_training", "_run_epoch", "_get_grad_norm")):
     import transformers as _transformers
@@ -456,23 +459,36 @@ def _from_pretrained(path: str, raw: dict, model_class, kwargs: dict):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the config's notes are said once, at initialize
         cfg = infinity.load_config({k: v for k, v in copy.deepcopy(raw).items() if k != "scheduler"})
-    cfg = fit_param_buffer(cfg, _largest_shard(path, model_class, kwargs))
+    if cfg.zero_optimization.offload_param.device == "nvme":
+        largest = _largest_shard(path, model_class, kwargs)
+        if largest is not None:
+            cfg = fit_param_buffer(cfg, largest)
     with infinity.zero_init(cfg):
         return model_class.from_pretrained(path, **kwargs)
 
 
-def _largest_shard(path: str, model_class, kwargs: dict) -> int:
+def _largest_shard(path: str, model_class, kwargs: dict) -> int | None:
     """One rank's shard of the model's largest parameter, from the model built on the meta device (nothing is
-    read but config.json): what the parameter pool's buffers must hold (see [Note: sizes fitted to the model])."""
+    read but config.json): what the parameter pool's buffers must hold (see [Note: sizes fitted to the model]).
+    None when the model cannot be built that way; the config's buffer_size then stands."""
     import math
 
     import torch.distributed as dist
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
-    config = kwargs.get("config") or AutoConfig.from_pretrained(path, **{
-        k: v for k, v in kwargs.items() if k in ("revision", "trust_remote_code", "cache_dir", "token")})
-    with torch.device("meta"):
-        meta = model_class.from_config(config) if hasattr(model_class, "from_config") else model_class(config)
+    passed = {k: v for k, v in kwargs.items() if k in ("revision", "trust_remote_code", "cache_dir", "token")}
+    try:
+        config = kwargs.get("config")
+        if not isinstance(config, PretrainedConfig):
+            config = AutoConfig.from_pretrained(config or path, **passed)
+        remote = {"trust_remote_code": True} if passed.get("trust_remote_code") else {}
+        with torch.device("meta"):
+            meta = (model_class.from_config(config, **remote) if hasattr(model_class, "from_config")
+                    else model_class(config))
+    except Exception as exc:  # noqa: BLE001 - sizing is an optimisation; from_pretrained reports real errors
+        log.info("infinity: the model could not be measured on the meta device (%s); offload_param.buffer_size "
+                 "stays the config's", exc)
+        return None
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(
         os.environ.get("WORLD_SIZE", "1"))
     return max((math.ceil(p.numel() / world) for p in meta.parameters()), default=1)

@@ -403,6 +403,15 @@ def test_a_planned_reuse_cache_never_turns_a_use_into_a_read_on_the_critical_pat
     model = Checkpointed(6)
     ref = copy.deepcopy(model)
     r = run(model, buffers=4, bucket=3 * WEIGHT, reuse=10 ** 9)
+    cached = []  # the cache's elements after each fetch, as the run held them
+    inner = r.sched.fetch
+
+    def fetch(*a, **kw):
+        out = inner(*a, **kw)
+        cached.append(r.sched.cached)
+        return out
+
+    r.sched.fetch = fetch
     for step in range(3):
         out, grads, stats = r.step(inputs(step))
         want_out, want_grads = reference_step(ref, inputs(step), r.store.device)
@@ -413,11 +422,4 @@ def test_a_planned_reuse_cache_never_turns_a_use_into_a_read_on_the_critical_pat
             assert stats.hit_rate == 1.0, f"step {step}: {stats.hits} of {stats.fetches} fetches were ready"
             reads = len(r.reads())
             assert reads < stats.fetches, "the cache served some uses"
-    sched = r.sched
-    cap = 3 * WEIGHT - WEIGHT
-    held = [0] * len(sched.trace)
-    for i, keep in enumerate(sched.keep):
-        if keep:
-            for t in range(i + 1, sched.next_use[i]):
-                held[t] += sched.trace[i].part
-    assert max(held) <= cap, "the plan keeps room to read the largest shard"
+    assert 0 < max(cached) <= 3 * WEIGHT - WEIGHT, "the cache was used, leaving room to read the largest shard"

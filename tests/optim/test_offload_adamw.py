@@ -107,19 +107,28 @@ def test_a_plain_loop_matches_torch_adamw(tier, tmp_path):
 
 
 def test_nvme_keeps_a_master_only_for_parameters_that_are_not_fp32_in_ram(tmp_path):
-    """A bf16 layer beside fp32 ones: its sub-group's file holds [master | m | v] (12 B per parameter), the fp32
-    ones' the moments (8 B), the pool's buffers fit the larger, and the losses follow torch AdamW over the same
-    mixed model (the bf16 layer keeps an fp32 master there too, as the parameter rounded each step)."""
-    def mixed():
-        torch.manual_seed(0)
-        m = TinyLM()
-        m.fc.to(torch.bfloat16)
-        return m
-
-    opt = OffloadAdamW(mixed().parameters(), offload="nvme", nvme_path=str(tmp_path / "nvme"), sub_group_size=1)
-    per = {s.params[0].dtype: s.state.io_bytes // s.numel for s in opt.sub_groups}
-    assert per == {torch.float32: 8, torch.bfloat16: 12}
+    """A bf16 layer beside fp32 ones: its sub-groups' files hold [master | m | v] (12 B per parameter), the fp32
+    ones' the moments (8 B), the pool's buffers fit the larger; a step keeps each bf16 parameter the rounding
+    of its fp32 master and moves the fp32 ones in place."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.fc.to(torch.bfloat16)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, offload="nvme", nvme_path=str(tmp_path / "nvme"),
+                       sub_group_size=1)
+    for s in opt.sub_groups:
+        want = 12 if s.params[0].dtype == torch.bfloat16 else 8
+        assert s.state.io_bytes == want * s.numel, (s.params[0].dtype, s.state.io_bytes, s.numel)
+    assert {s.params[0].dtype for s in opt.sub_groups} == {torch.float32, torch.bfloat16}
     assert opt._swap.swapper.pool.size >= 12 * max(s.numel for s in opt.sub_groups)
+    before = model.head.weight.detach().clone()
+    x, y = batch(torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    assert not torch.equal(model.head.weight, before), "the fp32 head was stepped in place"
+    master = opt.state_dict()["state"][[id(p) for p in model.parameters()].index(id(model.fc.weight))]["master"]
+    assert torch.equal(master.to(torch.bfloat16), model.fc.weight.detach())
     opt.close()
 
 
