@@ -237,12 +237,13 @@ def _load(engine, m: Manifest, root: str, reader: ChunkReader, states) -> None:
         window = Window()
         converts = []  # (destination, what was read in the checkpoint's dtype), done once the reads land
         try:
-            for mp, off in zip(g.params, g.offsets):
+            for mp, off, first, last in g.entries():  # the group holds elements [first, last) of mp's shard
                 if id(mp) not in plan:  # not in the checkpoint (a non-strict load): its state stays
                     continue
                 s, lo, hi, pieces = plan[id(mp)]
+                lo, hi = lo + first, min(hi, lo + last)  # the global elements this group holds, padding cut
                 for state, dest in zip(STATES, (p, mm, v)):
-                    d = dest[off:off + mp.part]
+                    d = dest[off:off + last - first]
                     if state not in states:  # module_only / no optimizer states: fresh moments
                         d.zero_()
                         continue
@@ -253,6 +254,9 @@ def _load(engine, m: Manifest, root: str, reader: ChunkReader, states) -> None:
                         converts.append((d[:tmp.numel()], tmp))
                     size = saved.itemsize
                     for c, a, b in pieces:
+                        a, b = max(a, lo), min(b, hi)
+                        if a >= b:
+                            continue
                         into = d if saved == d.dtype else tmp
                         reader.read_into(window, into[a - lo:b - lo], chunk_path(root, state, mp.name, c),
                                          size * (a - c * s.part))

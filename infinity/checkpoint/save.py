@@ -338,11 +338,15 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
         try:
             def use(g, p, m, v):
                 try:
-                    for mp, off in zip(g.params, g.offsets):
+                    for mp, off, lo, hi in g.entries():
                         if rank * mp.part >= mp.numel:  # this rank's shard is all padding: no chunk
                             continue
                         for state, t in zip(STATES, (p, m, v)):  # bf16 moments: their bytes, as uint16
-                            w.write(chunk_path(partial, state, mp.name, rank), t[off:off + mp.part])
+                            path = chunk_path(partial, state, mp.name, rank)
+                            if (lo, hi) == (0, mp.part):
+                                w.write(path, t[off:off + mp.part])
+                            else:  # a piece of a split shard: the pieces come in order
+                                w.write_piece(path, t[off:off + hi - lo], last=hi == mp.part)
                 except BaseException:
                     w.finish_quietly()  # the views must outlive every write that was submitted
                     raise

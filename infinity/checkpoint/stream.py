@@ -15,7 +15,7 @@ import torch
 
 from infinity.checkpoint.layout import CheckpointCorruptionError, CheckpointError
 from infinity.io import AsyncIO, aligned_empty
-from infinity.swap.checksum import crc32c
+from infinity.swap.checksum import crc32c, crc32c_combine
 from infinity.swap.tier import HOST
 
 PIECE = 4 << 20  # bytes per verification read
@@ -86,6 +86,24 @@ class ChunkWriter(Window):
     def __init__(self, io: AsyncIO):
         super().__init__()
         self.io = io
+        self._crc: dict[str, tuple[int, int]] = {}  # a chunk written in pieces: (CRC-32C so far, bytes so far)
+
+    def write_piece(self, path: str, values: torch.Tensor, *, last: bool) -> None:
+        """The next piece of a chunk written in order, a piece at a time (a shard split over sub-groups: [Note:
+        a large shard is split over sub-groups of its own] in engine/optimizer.py); after the last, the CRC-32C
+        of them all, as write() leaves it."""
+        if values.device != HOST or not values.is_contiguous():
+            raise ValueError(f"ChunkWriter.write_piece({path}): needs a contiguous CPU tensor")
+        nbytes = values.numel() * values.element_size()
+        crc, at = self._crc.pop(path, (0, 0))
+        if nbytes:
+            self.add(lambda: self.io.pwrite(values, path, at, nbytes=nbytes))
+        crc, at = crc32c_combine(crc, crc32c(values, nbytes), nbytes), at + nbytes
+        if not last:
+            self._crc[path] = (crc, at)
+            return
+        trailer = np.array([crc], dtype="<u4")
+        self.add(lambda: self.io.pwrite(trailer, path, at))
 
     def write(self, path: str, values: torch.Tensor) -> None:
         """path := values' bytes, then their CRC-32C (little endian); the data write runs while the CRC is taken."""

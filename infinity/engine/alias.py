@@ -55,21 +55,31 @@ PENDING = -1  # no CRC-32C is negative: the shard's new values are not known to 
 
 
 class _SliceFuture:
-    def __init__(self, reader, sid, fut, view, expected, path):
-        self._reader, self._sid, self._fut, self._view = reader, sid, fut, view
-        self._expected, self._path = expected, path
+    """The read of one shard: one read per piece (one, unless the shard is split over sub-groups), each
+    checked against its own CRC-32C."""
+
+    def __init__(self, reader, sid, reads, view):
+        self._reader, self._sid, self._reads, self._view = reader, sid, reads, view
 
     def wait(self):
         try:
-            self._fut.wait()
-            if self._expected == PENDING:
-                raise RuntimeError(f"{self._sid}: the last write of its optimizer sub-group ({self._path}) never "
-                                   "completed (an earlier error), so the file holds older weights than the "
-                                   "optimizer; restart from a checkpoint")
-            if self._expected is not None:
-                actual = self._fut.crc32c()  # taken by the I/O thread that finished the read
-                if actual != self._expected:
-                    raise SwapCorruptionError(self._path, self._sid, self._expected, actual)
+            first = None
+            for fut, _, _ in self._reads:  # every read lands before the buffer can go back
+                try:
+                    fut.wait()
+                except BaseException as exc:  # noqa: BLE001 - the first error is raised below
+                    first = first or exc
+            if first is not None:
+                raise first
+            for fut, expected, path in self._reads:
+                if expected == PENDING:
+                    raise RuntimeError(f"{self._sid}: the last write of its optimizer sub-group ({path}) never "
+                                       "completed (an earlier error), so the file holds older weights than the "
+                                       "optimizer; restart from a checkpoint")
+                if expected is not None:
+                    actual = fut.crc32c()  # taken by the I/O thread that finished the read
+                    if actual != expected:
+                        raise SwapCorruptionError(path, self._sid, expected, actual)
         except BaseException:
             self._reader.release(self._sid)  # the caller never gets the buffer
             raise
@@ -86,14 +96,24 @@ class OptimizerSliceReader:
         self.checksums = store.swap.swapper.checksums
         self.dtype = dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.where: dict[str, tuple] = {}  # sid -> (path, byte offset, elements)
-        self.crc: dict[str, int] = {}
+        self.where: dict[str, list] = {}  # sid -> its pieces, in order: (path, byte offset, elements, at, key)
+        self.crc: dict[str, int] = {}  # by piece key
         self._held: dict = {}
 
-    def place(self, sid: str, path: str, offset: int, numel: int) -> None:
-        """Shard `sid` is `numel` values of self.dtype at byte `offset` of the group file `path`'s data (after
-        its header)."""
-        self.where[sid] = (path, HEADER + offset, numel)
+    @staticmethod
+    def key(sid: str, at: int) -> str:
+        """The name a piece of shard `sid` starting at its element `at` is checksummed under (the shard's own id
+        for a whole shard; see [Note: a large shard is split over sub-groups of its own] in optimizer.py)."""
+        return sid if at == 0 else f"{sid}@{at}"
+
+    def place(self, sid: str, path: str, offset: int, numel: int, *, at: int = 0) -> None:
+        """Shard `sid`'s elements [at, at + numel) are values of self.dtype at byte `offset` of the group file
+        `path`'s data (after its header). Pieces are placed in order; at 0 starts the shard afresh."""
+        piece = (path, HEADER + offset, numel, at, self.key(sid, at))
+        if at == 0:
+            self.where[sid] = [piece]
+        else:
+            self.where[sid].append(piece)
 
     def record(self, sid: str, values: torch.Tensor) -> None:
         """The optimizer just produced this shard's new values (they are about to be written)."""
@@ -125,21 +145,30 @@ class OptimizerSliceReader:
         swapper.on_next_write(state_id, take)
 
     def swap_in(self, sid: str, *, prefetch: bool = False, reserve: int = 0):
-        path, offset, numel = self.where[sid]
+        pieces = self.where[sid]
         if sid in self._held:
             raise RuntimeError(f"OptimizerSliceReader: {sid} is already being read")
         buf = self.pool.try_acquire(f"read {sid}", reserve=reserve) if prefetch else self.pool.acquire(f"read {sid}")
         if buf is None:
             return None
         self._held[sid] = buf
+        reads = []
         try:
-            expected = self.crc.get(sid)
-            fut = self.aio.pread(buf.tensor, path, offset, nbytes=numel * self.itemsize,
-                                 checksum=expected not in (None, PENDING))
+            for path, offset, numel, at, key in pieces:
+                expected = self.crc.get(key)
+                fut = self.aio.pread(buf.tensor[at * self.itemsize:], path, offset, nbytes=numel * self.itemsize,
+                                     checksum=expected not in (None, PENDING))
+                reads.append((fut, expected, path))
         except BaseException:
+            for fut, _, _ in reads:  # the buffer goes back only once nothing reads into it
+                try:
+                    fut.wait()
+                except BaseException:  # noqa: BLE001 - the submission error is the one raised
+                    pass
             self.release(sid)
             raise
-        return _SliceFuture(self, sid, fut, buf.view(self.dtype, numel), expected, path)
+        total = pieces[-1][3] + pieces[-1][2]
+        return _SliceFuture(self, sid, reads, buf.view(self.dtype, total))
 
     def release(self, sid: str, **_) -> None:
         buf = self._held.pop(sid, None)

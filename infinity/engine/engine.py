@@ -600,16 +600,21 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     try:
         if Tier(cfg.zero_optimization.offload_optimizer.device) is Tier.NVME:
             by_group = [[managed(p) for p in g["params"]] for g in groups]
+            ratio = cfg.zero_optimization.offload_optimizer.ratio
+            # [Note: a large shard is split over sub-groups of its own]: only where the shards live in its files
+            split = shards_in_state(store, by_group, Tier.NVME, ratio) is not None
 
             def tail_bytes(plan) -> int:
-                in_state = shards_in_state(store, [g.params for g in plan], Tier.NVME,
-                                           cfg.zero_optimization.offload_optimizer.ratio)
+                in_state = shards_in_state(store, [g.params for g in plan], Tier.NVME, ratio)
                 return 0 if in_state in (None, torch.float32) else in_state.itemsize
 
-            cfg, fitted = fit_optimizer(cfg, by_group, ShardedAdam._plan, tail_bytes, say=comm.rank == 0)
+            def packed(by_group, size):
+                return ShardedAdam._plan(by_group, size, split=split)
+
+            cfg, fitted = fit_optimizer(cfg, by_group, packed, tail_bytes, split=split, say=comm.rank == 0)
             if fitted and comm.rank == 0:
                 log.info("infinity: %s", fitted)
-            plan = ShardedAdam._plan(by_group, cfg.zero_optimization.sub_group_size)
+            plan = packed(by_group, cfg.zero_optimization.sub_group_size)
             opt_swap = SwapContext.for_optimizer(cfg, rank=comm.rank, largest_group_numel=max(
                 (g.numel for g in plan), default=1), tail_bytes=tail_bytes(plan))
             # The engine may be collected before exit without close() (a script's main() returns): its

@@ -60,6 +60,28 @@ shard is read from its file as before. A group already stepped lends
 nothing (its master is the next step's), nor does a state on an
 accelerator.
 
+[Note: a large shard is split over sub-groups of its own]
+A buffer of the NVMe pool holds one sub-group's whole state, so a shard
+larger than `sub_group_size` used to set the size of every buffer: GPT-2's
+tied 38.6M-element embedding made gpt-125m's pool 4 x 516 MiB, more than the
+1.6 GiB of state it swaps. When the shards live in the optimizer's files
+(alias mode: parameters and optimizer both on NVMe, every sub-group
+offloaded), such a shard is cut into pieces of at most sub_group_size
+elements (starting at multiples of SPLIT_ALIGN), each a sub-group of its own
+that holds no other parameter:
+- its gradient is one buffer for the whole shard (what the reduce-scatter
+  writes); each piece's group holds its view, and the piece is final when
+  the shard's gradient is;
+- forward and backward read the shard as its pieces, one read each, from
+  the pieces' files into one parameter buffer (OptimizerSliceReader), each
+  piece with its own CRC-32C; `lend` lends nothing from a split shard;
+- a checkpoint writes the shard's chunk a piece at a time, the CRC combined
+  across pieces, and reads it back into each piece (checkpoint/save.py,
+  load.py). The format does not change.
+Elsewhere (parameter files of their own, a RAM or device tier) a large
+shard stays one sub-group: publishing a piece would need a partial write of
+the shard's own home.
+
 [Note: parameter groups]
 `param_groups` are torch's: one dict per group the user passed to
 initialize (`params`, `lr`, `weight_decay`, `betas`, `eps`), so torch's lr
@@ -87,26 +109,42 @@ from infinity.swap.state import MOMENT_DTYPES, DeviceState, GroupState, HostStat
 from infinity.swap.telemetry import StepStats
 from infinity.swap.tier import HOST, Tier
 
+SPLIT_ALIGN = 4096
+"""A split shard's pieces start at multiples of this many elements (so do their slices in the buffers and files)."""
+
 
 class _Group:
-    __slots__ = ("index", "params", "offsets", "numel", "grad", "state", "waiting", "stepped", "param_group")
+    __slots__ = ("index", "params", "offsets", "spans", "numel", "grad", "state", "waiting", "stepped",
+                 "param_group")
 
-    def __init__(self, index, params, param_group: int = 0):
+    def __init__(self, index, params, param_group: int = 0, span: tuple[int, int] | None = None):
         self.index = index
         self.param_group = param_group
         """Index into ShardedAdam.param_groups: whose lr, betas, eps and weight decay this sub-group uses."""
         self.params = params
+        self.spans = [span] if span is not None else [(0, mp.part) for mp in params]
+        """Per parameter, the elements [lo, hi) of its shard this group holds: the whole shard, except in a
+        piece of a split one (see [Note: a large shard is split over sub-groups of its own])."""
         self.offsets = []
         off = 0
-        for mp in params:
+        for lo, hi in self.spans:
             self.offsets.append(off)
-            off += mp.part
+            off += hi - lo
         self.numel = off
         self.grad = None
         self.state: GroupState | None = None
         """Its master weights and moments, on its tier."""
         self.waiting = 0
         self.stepped = False
+
+    @property
+    def split(self) -> bool:
+        """A piece of a shard split over several sub-groups."""
+        return self.spans[0] != (0, self.params[0].part)
+
+    def entries(self):
+        """(mp, offset in the group, lo, hi) per parameter: the group holds mp's shard elements [lo, hi)."""
+        return [(mp, off, lo, hi) for mp, off, (lo, hi) in zip(self.params, self.offsets, self.spans)]
 
     def slices(self):
         """(a one-parameter group, lo, hi) per parameter: the unit a checkpoint stages through host memory."""
@@ -137,9 +175,15 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.moments != torch.float32:
             self.hyper["moment_rounding"] = off.moments_rounding
         self.step_count = 0
-        self.groups = self._plan(self.managed_groups(), cfg.zero_optimization.sub_group_size)
-        self.group_of = {id(mp): g for g in self.groups for mp in g.params}
-        self._offset_of = {id(mp): off for g in self.groups for mp, off in zip(g.params, g.offsets)}
+        by_group = self.managed_groups()
+        self.groups = self._plan(by_group, cfg.zero_optimization.sub_group_size,
+                                 split=shards_in_state(store, by_group, self.tier, off.ratio) is not None)
+        self.groups_of: dict[int, list[_Group]] = {}
+        """Per parameter, the sub-groups holding its shard: one, or the pieces of a split one, in order."""
+        for g in self.groups:
+            for mp in g.params:
+                self.groups_of.setdefault(id(mp), []).append(g)
+        self._offset_of = {id(mp): off for g in self.groups if not g.split for mp, off in zip(g.params, g.offsets)}
         self.in_state = shards_in_state(store, [g.params for g in self.groups], self.tier, off.ratio)
         """The dtype of the trained shards kept in the optimizer's NVMe files (see [Note: fp32 shards live in
         the optimizer file] and [Note: compute-dtype shards in the optimizer file] in alias.py), or None."""
@@ -180,12 +224,22 @@ class ShardedAdam(torch.optim.Optimizer):
         return [[managed(p) for p in pg["params"]] for pg in self.param_groups]
 
     @staticmethod
-    def _plan(param_groups: list[list], sub_group_size: int) -> list[_Group]:
-        """Pack each parameter group's shards into sub-groups of at most sub_group_size elements."""
+    def _plan(param_groups: list[list], sub_group_size: int, *, split: bool = False) -> list[_Group]:
+        """Pack each parameter group's shards into sub-groups of at most sub_group_size elements; with `split`,
+        a larger shard becomes consecutive sub-groups of its own (see [Note: a large shard is split over
+        sub-groups of its own]), else one sub-group."""
+        piece = max(SPLIT_ALIGN, sub_group_size // SPLIT_ALIGN * SPLIT_ALIGN)
         groups = []
         for k, params in enumerate(param_groups):
             cur, size = [], 0
             for mp in sorted(params, key=lambda mp: mp.index):
+                if split and mp.part > sub_group_size:
+                    if cur:
+                        groups.append(_Group(len(groups), cur, k))
+                        cur, size = [], 0
+                    for lo in range(0, mp.part, piece):
+                        groups.append(_Group(len(groups), [mp], k, span=(lo, min(mp.part, lo + piece))))
+                    continue
                 if cur and size + mp.part > sub_group_size:
                     groups.append(_Group(len(groups), cur, k))
                     cur, size = [], 0
@@ -234,10 +288,19 @@ class ShardedAdam(torch.optim.Optimizer):
 
             reader = OptimizerSliceReader(store, self.in_state)
 
+        whole = {}  # a split shard, read once for all its pieces
+
         def first(i: int, views) -> None:
             g = self.groups[i]
-            for mp, off in zip(g.params, g.offsets):
-                views.param[off:off + mp.part].copy_(store.read_shard(mp, torch.float32))
+            for mp, off, lo, hi in g.entries():
+                if g.split:
+                    if id(mp) not in whole:
+                        whole.clear()
+                        whole[id(mp)] = store.read_shard(mp, torch.float32)
+                    values = whole[id(mp)][lo:hi]
+                else:
+                    values = store.read_shard(mp, torch.float32)
+                views.param[off:off + hi - lo].copy_(values)
             views.exp_avg.zero_()
             views.exp_avg_sq.zero_()
             if reader is None:
@@ -248,11 +311,13 @@ class ShardedAdam(torch.optim.Optimizer):
             shards = views.param if views.lowp is None else views.lowp
             if views.lowp is not None:
                 views.lowp.copy_(views.param)
-                for mp in g.params:  # read: the group's file is their home now (see [Note: swap files during setup])
-                    mp.home.forget(mp)
-            for mp, off in zip(g.params, g.offsets):
-                reader.place(f"alias/{mp.index}", g.state.path, base + reader.itemsize * off, mp.part)
-                reader.record(f"alias/{mp.index}", shards[off:off + mp.part])
+                for mp, _, _, hi in g.entries():  # read: the group's file is their home now (see [Note: swap
+                    if hi == mp.part:  # files during setup]); a split shard's once its last piece is
+                        mp.home.forget(mp)
+                        whole.pop(id(mp), None)
+            for mp, off, lo, hi in g.entries():
+                reader.place(f"alias/{mp.index}", g.state.path, base + reader.itemsize * off, hi - lo, at=lo)
+                reader.record(reader.key(f"alias/{mp.index}", lo), shards[off:off + hi - lo])
 
         StatePipeline(Mode.FILL).over(self._states(), first)
         if reader is not None:
@@ -267,24 +332,26 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def grad_for(self, mp) -> torch.Tensor:
         """The fp32 gradient shard of `mp`, allocating its group's buffer on first use."""
-        g = self.group_of[id(mp)]
-        if g.stepped:
+        groups = self.groups_of[id(mp)]
+        if any(g.stepped for g in groups):
             raise RuntimeError(f"infinity: parameter {mp.name} received a gradient after its group was stepped; "
                                "see [Note: stepping during backward] (use non-reentrant activation checkpointing, "
                                "or set gradient_clipping to keep the step after backward)")
-        if g.grad is None:
-            self._new_grad(g)
+        if groups[0].grad is None:
+            self._new_grad(groups[0])
             if self._pipe is not None:
-                self._pipe.ahead(g.state)  # its state is read while backward goes on
+                for g in groups:
+                    self._pipe.ahead(g.state)  # its state is read while backward goes on
         return mp.grad
 
     def lend(self, mp, *, backward: bool = False):
         """mp's fp32 master weights from its group's state, if they are in host memory or on their way (see
         [Note: backward reads from the state]): a future whose wait() gives a host view, or None. A fetch for
         backward (`backward`) of the step's backward starts the read Adam will use, if a buffer is free."""
-        g = self.group_of.get(id(mp))
-        if g is None or g.stepped:
-            return None
+        groups = self.groups_of.get(id(mp))
+        if groups is None or groups[0].split or groups[0].stepped:
+            return None  # a split shard's master is in several states: its own read serves backward
+        g = groups[0]
         if backward:
             if self._pipe is not None:
                 self._pipe.ahead(g.state)
@@ -306,6 +373,13 @@ class ShardedAdam(torch.optim.Optimizer):
             state.abandon()
 
     def _new_grad(self, g: _Group) -> None:
+        if g.split:  # one buffer for the whole shard; each piece's group holds its view of it
+            mp = g.params[0]
+            mp.grad = torch.zeros(mp.part, dtype=torch.float32, device=g.state.device, pin_memory=g.state.pinned)
+            for piece in self.groups_of[id(mp)]:
+                lo, hi = piece.spans[0]
+                piece.grad = mp.grad[lo:hi]
+            return
         g.grad = torch.zeros(g.numel, dtype=torch.float32, device=g.state.device, pin_memory=g.state.pinned)
         for p, off in zip(g.params, g.offsets):
             p.grad = g.grad[off:off + p.part]
@@ -314,10 +388,10 @@ class ShardedAdam(torch.optim.Optimizer):
         """A parameter's gradient for this backward has been added (see [Note: stepping during backward])."""
         if self._pipe is None:
             return
-        g = self.group_of[id(mp)]
-        g.waiting -= 1
-        if g.waiting == 0:
-            self._step_now(g)
+        for g in self.groups_of[id(mp)]:
+            g.waiting -= 1
+            if g.waiting == 0:
+                self._step_now(g)
 
     def _grads(self) -> list[torch.Tensor]:
         for g in self.groups:
@@ -463,9 +537,13 @@ class ShardedAdam(torch.optim.Optimizer):
                 if lowp is None:  # not stepped (a checkpoint load): the copy is made from the master
                     views.lowp.copy_(master)
                 base, size = g.state.tail_offset, views.lowp.element_size()
-            shards = [(f"alias/{mp.index}", base + size * off, mp.part) for mp, off in zip(g.params, g.offsets)]
-            self.store.alias.record_on_write(g.state.swapper, g.state.id, shards)
+            reader = self.store.alias
+            shards = [(reader.key(f"alias/{mp.index}", lo), base + size * off, hi - lo)
+                      for mp, off, lo, hi in g.entries()]
+            reader.record_on_write(g.state.swapper, g.state.id, shards)
             return
+        if g.split:
+            raise AssertionError("a split shard outside alias mode")  # _plan splits only in alias mode
         src = lowp if lowp is not None else master
         for mp, off in zip(g.params, g.offsets):
             values = src[off:off + mp.part]
@@ -551,10 +629,13 @@ def shards_in_state(store: ParamStore, groups: list[list], tier: Tier, ratio: fl
 class _OneParam:
     """A group of one parameter (export_state/import_state stage accelerator state per parameter)."""
 
-    __slots__ = ("params", "offsets", "numel", "index")
+    __slots__ = ("params", "offsets", "spans", "numel", "index")
 
     def __init__(self, mp, index):
-        self.params, self.offsets, self.numel, self.index = [mp], [0], mp.part, index
+        self.params, self.offsets, self.spans, self.numel, self.index = [mp], [0], [(0, mp.part)], mp.part, index
+
+    def entries(self):
+        return [(self.params[0], 0, 0, self.numel)]
 
 
 def _finite(grads) -> bool:

@@ -6,12 +6,13 @@ one sub-group's whole state: 12 B per parameter (8 with bf16 moments), plus
 the compute-dtype tail in alias mode. DeepSpeed's `sub_group_size` default is
 1e9 and the shipped configs carried 1e8, so for a 125M model each buffer held
 about 100M parameters' state (1.4 GB) and four of them were more than the
-model's whole training state. A sub-group never splits a shard, so a buffer
-must hold the largest trained shard whatever sub_group_size says; more than
-that buys nothing but fewer, longer reads. So, for the keys the config does
-not write (`Config.given`; a Config built in Python wrote them all):
-- `sub_group_size` becomes the largest trained shard on this rank, and at
-  least FLOOR elements (1M: 12 MB reads, large enough to run at the disk's
+model's whole training state. A buffer must hold the largest sub-group;
+more than that buys nothing but fewer, longer reads. So, for the keys the
+config does not write (`Config.given`; a Config built in Python wrote them
+all):
+- `sub_group_size` becomes the largest trained shard on this rank (capped at
+  TARGET where large shards can be split, see below), and at least FLOOR
+  elements (1M: 12 MB reads, large enough to run at the disk's
   rate, without thousands of sub-groups for a model of small tensors). The
   default `infinity train` run (gpt-small's 3.3M parameters, largest shard
   262,144) measured both: 22 sub-groups of at most 262,144 gave 2,850
@@ -29,12 +30,13 @@ What was chosen, and why, is logged once (`infinity train` prints it).
 Only the NVMe optimizer is fitted: on the CPU tier the sub-group count also
 decides what `offload_optimizer.ratio` keeps on the device, as in DeepSpeed,
 so its `sub_group_size` keeps the config's (or DeepSpeed's) meaning.
-The limit of this: a model whose largest shard is a large share of it still
-needs `buffer_count` buffers of that shard's state. GPT-2's tied embedding
-(38.6M of gpt-125m's 124.5M parameters) makes the fitted pool 2.0 GiB for
-1.6 GiB of state, so at that size NVMe offload of the optimizer saves no
-memory. Letting a sub-group hold part of a shard would fix it; the alias
-reads, `lend` and the step during backward assume one sub-group per shard.
+Where the shards live in the optimizer's files (parameters and optimizer
+both on NVMe), a shard larger than sub_group_size is split over sub-groups of
+its own ([Note: a large shard is split over sub-groups of its own] in
+optimizer.py), so there the fit is the largest shard capped at TARGET (8M):
+gpt-125m's tied 38.6M embedding becomes five pieces and its pool 448 MiB
+instead of 2.0 GiB for 1.6 GiB of state. Elsewhere a buffer must still hold
+the largest shard's state.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from infinity.swap.state import MOMENT_DTYPES, state_bytes
 log = logging.getLogger("infinity")
 
 FLOOR = 1 << 20
+TARGET = 1 << 23
+"""The fitted sub_group_size where large shards can be split: 8M parameters, 112 MB buffers with a bf16 tail."""
 SUB_GROUP = "zero_optimization.sub_group_size"
 BUFFERS = "zero_optimization.offload_optimizer.buffer_count"
 PARAM_BUFFER = "zero_optimization.offload_param.buffer_size"
@@ -58,7 +62,8 @@ def written(cfg: Config, key: str) -> bool:
     return cfg.given is None or key in cfg.given
 
 
-def fit_optimizer(cfg: Config, by_group: list[list], plan, tail_bytes, *, say: bool = True) -> tuple[Config, str]:
+def fit_optimizer(cfg: Config, by_group: list[list], plan, tail_bytes, *, split: bool = False,
+                  say: bool = True) -> tuple[Config, str]:
     """cfg with the NVMe optimizer's sub_group_size and buffer_count fitted to the trained shards (`by_group`:
     each parameter group's ManagedParams), for the keys the config does not write, and the line saying what
     was chosen and why ("" when the config wrote both). `plan(by_group, sub_group_size)` packs the sub-groups;
@@ -68,7 +73,8 @@ def fit_optimizer(cfg: Config, by_group: list[list], plan, tail_bytes, *, say: b
     off = zero.offload_optimizer
     shards = [mp.part for params in by_group for mp in params]
     largest = max(shards, default=1)
-    sub_group = zero.sub_group_size if written(cfg, SUB_GROUP) else max(largest, FLOOR)
+    fitted = min(max(largest, FLOOR), TARGET) if split else max(largest, FLOOR)
+    sub_group = zero.sub_group_size if written(cfg, SUB_GROUP) else fitted
     groups = plan(by_group, sub_group)
     count = off.buffer_count if written(cfg, BUFFERS) else max(1, min(off.buffer_count, len(groups)))
     per = state_bytes(MOMENT_DTYPES[off.moments_dtype]) + tail_bytes(groups)
@@ -82,9 +88,12 @@ def fit_optimizer(cfg: Config, by_group: list[list], plan, tail_bytes, *, say: b
                     count, f"{group_numel:,}", pool / 2**30, state / 2**30,
                     " and ".join(k.rsplit(".", 1)[-1] for k in wrote))
     parts = []
-    if not written(cfg, SUB_GROUP):
+    if not written(cfg, SUB_GROUP) and split:
+        parts.append(f"sub_group_size {sub_group:,} (the largest trained shard is {largest:,} parameters; at most "
+                     f"{TARGET:,}, a larger shard split over sub-groups of its own; at least {FLOOR:,})")
+    elif not written(cfg, SUB_GROUP):
         parts.append(f"sub_group_size {sub_group:,} (the largest trained shard is {largest:,} parameters and a "
-                     f"sub-group never splits one; at least {FLOOR:,})")
+                     f"sub-group holds whole shards here; at least {FLOOR:,})")
     if not written(cfg, BUFFERS):
         parts.append(f"buffer_count {count} (of at most {off.buffer_count}, for {len(groups)} sub-group(s))")
     line = ("NVMe optimizer sizes fitted to the model: " + "; ".join(parts)

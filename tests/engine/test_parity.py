@@ -221,7 +221,7 @@ def test_nvme_moves_28_bytes_per_parameter_and_detects_a_flipped_byte(disk_dir, 
         if e == 2:  # the trained shards have no files of their own
             assert not list(Path(engine.store.swap.swapper.dir).glob("*.swp"))
         mp = engine.store.params[5]
-        path, offset, _ = engine.store.alias.where[f"alias/{mp.index}"]
+        path, offset, *_ = engine.store.alias.where[f"alias/{mp.index}"][0]  # its first (or only) piece
         with open(path, "r+b") as f:
             f.seek(offset + 4)
             byte = f.read(1)
@@ -463,7 +463,7 @@ def test_a_group_whose_read_could_not_start_early_is_read_ahead_before_its_turn(
 
     monkeypatch.setattr(StatePipeline, "run", run)
     try:
-        tied = engine.optimizer.group_of[id(engine.store.params[0])].state.label  # wte: index 0, tied to the head
+        tied = engine.optimizer.groups_of[id(engine.store.params[0])][0].state.label  # wte: index 0, tied to the head
         early = []
         for s in range(4):
             events.clear()
