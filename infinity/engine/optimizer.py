@@ -147,7 +147,9 @@ class _Group:
         return [(mp, off, lo, hi) for mp, off, (lo, hi) in zip(self.params, self.offsets, self.spans)]
 
     def slices(self):
-        """(a one-parameter group, lo, hi) per parameter: the unit a checkpoint stages through host memory."""
+        """(a one-parameter group, lo, hi) per parameter: the unit a checkpoint stages through host memory (a
+        device state's; those are never split)."""
+        assert not self.split, "a device state holding a piece of a split shard"
         return [(_OneParam(mp, self.index), off, off + mp.part) for mp, off in zip(self.params, self.offsets)]
 
 
@@ -309,12 +311,13 @@ class ShardedAdam(torch.optim.Optimizer):
             # The initial shards' places and checksums, as they are about to be written.
             base = 0 if views.lowp is None else g.state.tail_offset
             shards = views.param if views.lowp is None else views.lowp
+            for mp, _, _, hi in g.entries():
+                if hi == mp.part:
+                    whole.pop(id(mp), None)  # a split shard's last piece is in
+                    if views.lowp is not None:  # read: the group's file is their home now (see [Note: swap
+                        mp.home.forget(mp)  # files during setup]); a split shard's once its last piece is
             if views.lowp is not None:
                 views.lowp.copy_(views.param)
-                for mp, _, _, hi in g.entries():  # read: the group's file is their home now (see [Note: swap
-                    if hi == mp.part:  # files during setup]); a split shard's once its last piece is
-                        mp.home.forget(mp)
-                        whole.pop(id(mp), None)
             for mp, off, lo, hi in g.entries():
                 reader.place(f"alias/{mp.index}", g.state.path, base + reader.itemsize * off, hi - lo, at=lo)
                 reader.record(reader.key(f"alias/{mp.index}", lo), shards[off:off + hi - lo])
@@ -463,7 +466,8 @@ class ShardedAdam(torch.optim.Optimizer):
         try:
             for g in self.groups:
                 if not g.stepped:
-                    self._grads()
+                    if g.grad is None:  # no gradient at all (a split shard's: none for any piece, so a fresh
+                        self._new_grad(g)  # buffer is right; the stepped groups get none)
                     self._step_now(g)
             pipe.finish()
             self._last_order = self._stepped_order

@@ -7,6 +7,8 @@ a later piece's file is caught."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,3 +99,47 @@ def test_fp32_pieces_train_as_the_whole_and_a_flipped_byte_in_a_later_one_is_cau
     finally:
         whole.close()
         split.close()
+
+
+class Gated(torch.nn.Module):
+    """A head as large as the embedding that only some micro-batches use (a task head, an MoE expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(VOCAB, DIM)
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x, use_head: bool):
+        h = self.wte(x)
+        return self.head(h) if use_head else h.sum(-1, keepdim=True).expand(-1, -1, VOCAB)
+
+
+def test_a_split_shard_without_a_gradient_in_the_last_micro_batch_keeps_what_it_accumulated(disk_dir):
+    """Accumulation 2, no clipping (sub-groups step during the last backward): the split head has a gradient
+    from the first micro-batch only, so its pieces step after backward, from the accumulated gradient, and
+    the run equals the unsplit one bit for bit."""
+    def run(sub_group_size, where):
+        cfg = config(where, sub_group_size, "fp32")
+        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=2, train_batch_size=None)
+        torch.manual_seed(0)
+        with zero_init(cfg):
+            model = Gated()
+        e = initialize(model, cfg)
+        try:
+            losses = []
+            for s in range(6):
+                x = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(s))
+                logits = e(x[:, :-1], s % 2 == 0)
+                loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+                e.backward(loss)
+                e.step()
+                losses.append(loss.item())
+            return losses, {k: v.clone() for k, v in e.module_state_dict().items()}, e.optimizer.groups
+        finally:
+            e.close()
+
+    a, wa, _ = run(WHOLE, disk_dir / "a")
+    b, wb, groups = run(PIECE, disk_dir / "b")
+    assert sum(g.params[0].name == "head.weight" for g in groups) == 4, "the head is split"
+    assert a == b
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -52,6 +52,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from infinity.engine.optimizer import SPLIT_ALIGN
+from infinity.engine.sizing import TARGET as SPLIT_TARGET
 from infinity.tools.plan.measure import Rates
 from infinity.tools.plan.shape import ModelShape
 
@@ -260,7 +262,12 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
     psize = largest_shard
     layer = max(math.ceil(shape.numel / max(shape.layers, 1) / max(math.ceil(shape.numel / shard), 1)), 1)
     pbufs = pbytes = 0
-    min_opt = int((min(OPT_BUFFERS) * sb + grads) * max(largest_shard, 1))
+    # Both on NVMe, the shards live in the optimizer's files and a larger one is split over sub-groups of its own
+    # ([Note: a large shard is split over sub-groups of its own] in engine/optimizer.py): a sub-group need not
+    # hold the largest shard, only the engine's own cap on a fitted one.
+    split = pools == "both"
+    need = max(1, min(largest_shard, SPLIT_TARGET) if split else largest_shard)
+    min_opt = int((min(OPT_BUFFERS) * sb + grads) * need)
     if pools == "both":
         # The least that works first (MIN_PARAM_BUFFERS, and 3 optimizer buffers of the largest shard); then
         # up to two layers of prefetch, from at most a third of what remains beyond that.
@@ -275,10 +282,13 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
         return None
     rest = left - pbytes
     # Optimizer sub-groups: as large as the rest allows with the most buffers, never smaller than the largest
-    # shard (sub-groups do not split a parameter) and never beyond 64M elements or the whole shard.
+    # shard unless it is split (then whole pieces of SPLIT_ALIGN elements), and never beyond 64M elements or the
+    # whole shard.
     for obufs in OPT_BUFFERS:
         group = min(int(rest // (sb * obufs + grads)), 1 << 26, shard)
-        if group >= max(largest_shard, 1):
+        if split and group < largest_shard:
+            group = group // SPLIT_ALIGN * SPLIT_ALIGN
+        if group >= need:
             break
     else:
         return None
