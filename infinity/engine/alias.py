@@ -49,7 +49,7 @@ import torch
 
 from infinity.errors import SwapCorruptionError
 from infinity.swap.checksum import crc32c, crc32c_combine
-from infinity.swap.swapper import HEADER
+from infinity.swap.swapper import HEADER, wait_all
 
 PENDING = -1  # no CRC-32C is negative: the shard's new values are not known to be in its file yet
 
@@ -63,14 +63,7 @@ class _SliceFuture:
 
     def wait(self):
         try:
-            first = None
-            for fut, _, _ in self._reads:  # every read lands before the buffer can go back
-                try:
-                    fut.wait()
-                except BaseException as exc:  # noqa: BLE001 - the first error is raised below
-                    first = first or exc
-            if first is not None:
-                raise first
+            wait_all(fut for fut, _, _ in self._reads)  # every read lands before the buffer can go back
             for fut, expected, path in self._reads:
                 if expected == PENDING:
                     raise RuntimeError(f"{self._sid}: the last write of its optimizer sub-group ({path}) never "
