@@ -611,10 +611,9 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
             def packed(by_group, size):
                 return ShardedAdam._plan(by_group, size, split=split)
 
-            cfg, fitted = fit_optimizer(cfg, by_group, packed, tail_bytes, split=split, say=comm.rank == 0)
+            cfg, fitted, plan = fit_optimizer(cfg, by_group, packed, tail_bytes, split=split, say=comm.rank == 0)
             if fitted and comm.rank == 0:
                 log.info("infinity: %s", fitted)
-            plan = packed(by_group, cfg.zero_optimization.sub_group_size)
             opt_swap = SwapContext.for_optimizer(cfg, rank=comm.rank, largest_group_numel=max(
                 (g.numel for g in plan), default=1), tail_bytes=tail_bytes(plan))
             # The engine may be collected before exit without close() (a script's main() returns): its

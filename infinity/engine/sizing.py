@@ -63,11 +63,12 @@ def written(cfg: Config, key: str) -> bool:
 
 
 def fit_optimizer(cfg: Config, by_group: list[list], plan, tail_bytes, *, split: bool = False,
-                  say: bool = True) -> tuple[Config, str]:
+                  say: bool = True) -> tuple[Config, str, list]:
     """cfg with the NVMe optimizer's sub_group_size and buffer_count fitted to the trained shards (`by_group`:
     each parameter group's ManagedParams), for the keys the config does not write, and the line saying what
     was chosen and why ("" when the config wrote both). `plan(by_group, sub_group_size)` packs the sub-groups;
-    `tail_bytes(sub_groups)` is the compute-dtype tail per parameter kept in the state (0 without one). `say`:
+    `tail_bytes(sub_groups)` is the compute-dtype tail per parameter kept in the state (0 without one); the
+    sub-groups planned with the fitted size come back third. `say`:
     this rank says an oversized written pool (rank 0 only, so it is said once)."""
     zero = cfg.zero_optimization
     off = zero.offload_optimizer
@@ -100,7 +101,7 @@ def fit_optimizer(cfg: Config, by_group: list[list], plan, tail_bytes, *, split:
             + f"; the pool holds {pool / 2**20:,.0f} MiB for {state / 2**20:,.0f} MiB of state") if parts else ""
     fitted = dataclasses.replace(zero, sub_group_size=sub_group,
                                  offload_optimizer=dataclasses.replace(off, buffer_count=count))
-    return dataclasses.replace(cfg, zero_optimization=fitted), line
+    return dataclasses.replace(cfg, zero_optimization=fitted), line, groups
 
 
 def fit_param_buffer(cfg: Config, largest_shard: int) -> Config:

@@ -23,14 +23,20 @@ def tiny(tmp_path_factory):
     return make_model_dir(str(root / "model"), "llama"), write_corpus(str(root / "train.jsonl"))
 
 
+def run_example(script: str, tiny, tmp_path, disk_dir, steps: int):
+    """examples/<script> on the tiny model and corpus, writing tmp_path/out, as a user runs it."""
+    model, data = tiny
+    out = subprocess.run([sys.executable, str(EXAMPLES / script), "--model", model, "--data", data, "--out",
+                          str(tmp_path / "out"), "--steps", str(steps), "--seq", "64", "--nvme-path", str(disk_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 def test_python_loop_example_writes_a_model_that_loads(tiny, tmp_path, disk_dir):
     import transformers
 
-    model, data = tiny
-    out = subprocess.run([sys.executable, str(EXAMPLES / "finetune.py"), "--model", model, "--data", data, "--out",
-                          str(tmp_path / "out"), "--steps", "3", "--seq", "64", "--nvme-path", str(disk_dir)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_example("finetune.py", tiny, tmp_path, disk_dir, steps=3)
     assert "step 3 loss" in out.stdout
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert not any(disk_dir.rglob("*.swp"))
@@ -53,11 +59,7 @@ def test_cli_example_trains_and_generates(tiny, tmp_path, disk_dir):
 def test_trainer_example_trains_checkpoints_and_saves_a_model_that_loads(tiny, tmp_path, disk_dir):
     import transformers
 
-    model, data = tiny
-    out = subprocess.run([sys.executable, str(EXAMPLES / "trainer.py"), "--model", model, "--data", data, "--out",
-                          str(tmp_path / "out"), "--steps", "2", "--seq", "64", "--nvme-path", str(disk_dir)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_example("trainer.py", tiny, tmp_path, disk_dir, steps=2)
     assert f"model written to {tmp_path / 'out'}" in out.stdout
     assert (tmp_path / "out" / "checkpoint-2" / "infinity").is_dir(), "the Trainer's checkpoint holds the engine's"
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
