@@ -136,12 +136,16 @@ def test_batch_sizes_follow_the_configs_keys_as_deepspeed_resolves_them():
     from infinity.config import load_config
     from infinity.tools.train import _batch_sizes
 
-    none = Namespace(micro_batch=None, grad_accum=None)
-    assert _batch_sizes(none, load_config({"train_batch_size": 8, "gradient_accumulation_steps": 2})) == (4, 2)
-    assert _batch_sizes(none, load_config({"train_batch_size": 6})) == (6, 1)
-    assert _batch_sizes(none, load_config({})) == (4, 1)
-    assert _batch_sizes(Namespace(micro_batch=2, grad_accum=None),
-                        load_config({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3})) == (2, 3)
+    none = Namespace(micro_batch=None, grad_accum=None, config="user.json")
+    assert _batch_sizes(none, load_config({"train_batch_size": 8, "gradient_accumulation_steps": 2})) == (4, 2, False)
+    assert _batch_sizes(none, load_config({"train_batch_size": 6})) == (6, 1, False)
+    # No batch key anywhere, or only the shipped default config's: a default that --memory-budget may split.
+    assert _batch_sizes(none, load_config({})) == (4, 1, True)
+    assert _batch_sizes(Namespace(micro_batch=None, grad_accum=None, config=None),
+                        load_config({"train_micro_batch_size_per_gpu": 4})) == (4, 1, True)
+    assert _batch_sizes(Namespace(micro_batch=2, grad_accum=None, config=None),
+                        load_config({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3})) == (
+                            2, 3, False)
 
 
 def test_the_default_swap_dirs_of_killed_runs_are_reclaimed(tmp_path):

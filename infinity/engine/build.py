@@ -64,7 +64,10 @@ def pool_shard_numel(cfg: Config, model: torch.nn.Module, world: int) -> int:
     (initialize without zero_init), a buffer is never made larger than the largest shard; a buffer_size below
     that shard keeps its meaning (and its error). Under zero_init the store comes before the model: `infinity
     train` and InfinityTrainer measure the model on the meta device and fit buffer_size before it (see [Note:
-    sizes fitted to the model] in sizing.py); a user's own zero_init block gets the config's buffer_size."""
+    sizes fitted to the model] in sizing.py); a user's own zero_init block gets the config's buffer_size, which
+    then costs address space, not memory: large buffers are mapped lazily (aligned_empty), so only the bytes the
+    shards write become resident, and initialize shrinks the buffers to the largest shard ([Note: the parameter
+    pool shrinks after setup] in params.py)."""
     from infinity.engine.sizing import fit_param_buffer
 
     largest = max((math.ceil(p.numel() / world) for p in model.parameters()), default=1)

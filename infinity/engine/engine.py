@@ -628,6 +628,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
         raise
     store.frozen = True
     store.placeholders_to_compute_dtype()
+    store.fit_pool()  # [Note: the parameter pool shrinks after setup] in params.py
     hooks = ParamHooks(store)
     hooks.install(model)
     hooks.guard_state_dict(model)

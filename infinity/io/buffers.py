@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import mmap
 import weakref
 
 import numpy as np
 import torch
 
 from infinity._native_loader import native
+
+LAZY_BYTES = 1 << 20
 
 
 def buffer_memory(buf, *, writable: bool, op: str):
@@ -62,6 +65,12 @@ def aligned_empty(nbytes: int, alignment: int = 4096, *, pin: bool | None = None
 
     Its contents are zero. With pin=None it is page-locked (cudaHostRegister)
     when CUDA is available, so device copies from it can be asynchronous.
+
+    From LAZY_BYTES up it is an anonymous mapping: the kernel's zero pages,
+    resident only once touched, and no memset. A swap pool sized by a
+    config (DeepSpeed's buffer_size of 1e8 elements, 2 GB for 5 buffers) then
+    costs the bytes its shards use, not its whole size, and no seconds of
+    zeroing up front; unmapped when the tensor and its views are gone.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"aligned_empty: nbytes must be an int >= 0, got {nbytes!r}")
@@ -69,7 +78,10 @@ def aligned_empty(nbytes: int, alignment: int = 4096, *, pin: bool | None = None
         raise ValueError(f"aligned_empty: alignment must be a power of two >= 8, got {alignment!r}")
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    if native is not None:
+    if nbytes >= LAZY_BYTES and alignment <= mmap.PAGESIZE:
+        owner = mmap.mmap(-1, nbytes)  # page-aligned, so aligned to any smaller power of two
+        tensor = torch.frombuffer(owner, dtype=torch.uint8)
+    elif native is not None:
         owner = native.AlignedBuffer(nbytes, alignment)
         tensor = torch.frombuffer(owner, dtype=torch.uint8)
     else:

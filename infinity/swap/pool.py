@@ -1,7 +1,8 @@
 """BufferPool: a fixed count x size of aligned (pinned when CUDA is present) host buffers.
 
 It is the hard memory ceiling of the swap service: all of its memory is
-allocated once, up front, and nothing is ever allocated past it. A request it
+reserved once, up front, and nothing is ever allocated past it (its pages
+become resident as buffers are first written: `aligned_empty`). A request it
 cannot serve waits (back-pressure); a prefetcher uses `try_acquire` so that it
 never holds a buffer the critical path is waiting for.
 """
@@ -57,16 +58,45 @@ class BufferPool:
             raise ValueError(f"BufferPool: size must be an int >= 1, got {size!r}")
         # Round each buffer up to the alignment so every buffer starts aligned
         # (O_DIRECT needs it) while the pool stays one allocation to pin.
-        self.size = size
-        self.stride = -(-size // alignment) * alignment
         self.count = count
-        self._memory = aligned_empty(self.stride * count, alignment, pin=pin)
-        self._buffers = [PoolBuffer(self, i, self._memory[i * self.stride:i * self.stride + size])
-                         for i in range(count)]
+        self._alignment, self._pin = alignment, pin
+        self._carve(size)
+        self._buffers = [PoolBuffer(self, i, self._view(i)) for i in range(count)]
         self._free = list(reversed(self._buffers))
         self._cond = threading.Condition()
         self.acquired_total = 0
         self.peak_in_use = 0
+
+    def _carve(self, size: int) -> None:
+        self.size = size
+        self.stride = -(-size // self._alignment) * self._alignment
+        self._memory = aligned_empty(self.stride * self.count, self._alignment, pin=self._pin)
+
+    def _view(self, i: int) -> torch.Tensor:
+        return self._memory[i * self.stride:i * self.stride + self.size]
+
+    def shrink(self, size: int) -> None:
+        """Make every buffer `size` bytes (no larger than now), in a new allocation; the old one is freed.
+
+        For a pool sized for one phase and then used for a smaller one (the parameter pool holds fp32 shards
+        while the model is built and compute-dtype shards after). Every buffer must be free: a held view would
+        keep the old memory alive, and its holder would be writing into memory no longer the pool's.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= self.size:
+            raise ValueError(f"BufferPool.shrink: size must be an int in [1, {self.size}], got {size!r}")
+        with self._cond:
+            if len(self._free) != self.count:
+                holders = ", ".join(sorted(str(b.owner) for b in self._buffers if b.owner is not None))
+                raise RuntimeError(f"BufferPool.shrink: {self.count - len(self._free)} buffer(s) are in use "
+                                   f"(held by: {holders}); release them first")
+            if size == self.size:
+                return
+            for buf in self._buffers:  # the old allocation is freed before the new one is made
+                buf.tensor = torch.empty(0, dtype=torch.uint8)
+            self._memory = None
+            self._carve(size)
+            for i, buf in enumerate(self._buffers):
+                buf.tensor = self._view(i)
 
     @property
     def nbytes(self) -> int:

@@ -283,9 +283,11 @@ def _sized_config(args, nvme: str, largest: int):
     return fit_param_buffer(load_config(args.config, nvme_path=nvme), largest)
 
 
-def _batch_sizes(args, cfg) -> tuple[int, int]:
+def _batch_sizes(args, cfg) -> tuple[int, int, bool]:
     """--micro-batch and --grad-accum, else the config's batch keys resolved for this world size (DeepSpeed's
-    rules: any two of train_batch_size, the micro batch and accumulation give the third), else 4 and 1."""
+    rules: any two of train_batch_size, the micro batch and accumulation give the third), else 4 and 1; and
+    whether the micro-batch is a default (not --micro-batch, nor a --config of the user's: --memory-budget may
+    then split it)."""
     from infinity.config.resolve import resolve_batch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -294,7 +296,10 @@ def _batch_sizes(args, cfg) -> tuple[int, int]:
     micro = args.micro_batch or sizes.micro_batch_per_rank or 4
     accum = args.grad_accum or (sizes.gradient_accumulation_steps if not args.micro_batch else
                                 cfg.gradient_accumulation_steps or 1)
-    return micro, accum
+    from infinity.config.shipped import shipped_config
+
+    shipped = args.config is None or os.path.abspath(args.config) == os.path.abspath(shipped_config("nvme_offload.json"))
+    return micro, accum, not args.micro_batch and (shipped or not sizes.micro_batch_per_rank)
 
 
 def _with_batch(cfg, micro: int, accum: int):
@@ -328,7 +333,7 @@ def _train(args, out: Path, nvme: str) -> int:
     seq = _sequence_length(args, model_seq, src)
     from infinity.config import load_config
 
-    micro, accum = _batch_sizes(args, load_config(args.config, nvme_path=nvme))
+    micro, accum, defaulted = _batch_sizes(args, load_config(args.config, nvme_path=nvme))
     planned = None
     if args.memory_budget is not None:
         from infinity.tools.plan import make_plan
@@ -336,8 +341,13 @@ def _train(args, out: Path, nvme: str) -> int:
         world_env = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         planned = make_plan(model=args.model if src.kind == "preset" else src.directory,
                             memory_budget=args.memory_budget, nvme_path=nvme, config=args.config, micro=micro,
-                            seq=seq, nproc=world_env)
+                            grad_accum=accum, seq=seq, nproc=world_env, split_batch=defaulted)
         cfg = load_config(planned[0].config)
+        if (planned[0].micro_batch, planned[0].grad_accum) != (micro, accum):
+            print(f"infinity train: --memory-budget: the batch of {micro} runs as {planned[0].grad_accum // accum} "
+                  f"micro-batches of {planned[0].micro_batch} (a micro-batch of {micro} does not fit; "
+                  "--micro-batch chooses it)", flush=True)
+            micro, accum = planned[0].micro_batch, planned[0].grad_accum
     else:
         cfg = _sized_config(args, nvme, largest)
     cfg = _with_batch(_with_lr(args, cfg), micro, accum)

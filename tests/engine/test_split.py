@@ -60,6 +60,10 @@ def test_a_split_embedding_trains_bit_identically_and_its_checkpoint_loads_eithe
         assert [g.spans[0] for g in emb] == [(0, 299008), (299008, 598016), (598016, 897024), (897024, VOCAB * DIM)]
         assert split.optimizer.swap.pool.size < whole.optimizer.swap.pool.size / 3, "buffers hold a piece"
         assert split.store.alias is not None and len(split.store.alias.where["alias/0"]) == 4
+        # The parameter pool was built for the fp32 embedding and holds it in bf16 from initialize on ([Note:
+        # the parameter pool shrinks after setup]); training, saving and loading below all go through it.
+        assert split.store.swap.pool.size == whole.store.swap.pool.size == 2 * VOCAB * DIM
+        assert split.store.swap.pool.nbytes <= split.store.swap.pool.count * (2 * VOCAB * DIM + 4096)
         a = [step(whole, s) for s in range(3)]
         b = [step(split, s) for s in range(3)]
         assert a == b, "the same arithmetic, grouped otherwise"

@@ -110,6 +110,45 @@ def test_borrow_releases_on_error():
     assert pool.free_count == 1
 
 
+def test_shrink_frees_the_old_memory_and_refuses_while_a_buffer_is_held():
+    pool = BufferPool(3, 3 * 4096 + 100)
+    held = pool.acquire("reader")
+    held.view(torch.float32, 10).fill_(1.0)
+    with pytest.raises(RuntimeError, match=r"1 buffer\(s\) are in use \(held by: reader\); release them first"):
+        pool.shrink(4096)
+    pool.release(held)
+    with pytest.raises(ValueError, match=r"size must be an int in \[1, 12388\]"):
+        pool.shrink(20000)
+    pool.shrink(5000)
+    assert pool.size == 5000 and pool.stride == 8192 and pool.nbytes == 3 * 8192
+    views = [pool.acquire(f"b{i}").view(torch.uint8, 5000) for i in range(3)]
+    assert all(v.data_ptr() % 4096 == 0 for v in views)
+    assert len({v.data_ptr() for v in views}) == 3
+    with pytest.raises(ValueError, match="raise the buffer size"):
+        pool._buffers[0].view(torch.uint8, 5001)
+
+
+def test_a_large_pool_is_resident_only_where_written():
+    """aligned_empty maps large buffers lazily: a pool sized far past its use (DeepSpeed's buffer_size of 1e8
+    elements) costs the pages its shards touch, and they read as zero."""
+    import gc
+
+    from infinity.memory_stats import rss_bytes
+
+    gc.collect()
+    before = rss_bytes()
+    pool = BufferPool(4, 256 << 20)
+    assert rss_bytes() - before < 32 << 20, "1 GiB reserved, not touched"
+    buf = pool.acquire("shard")
+    assert buf.tensor.data_ptr() % 4096 == 0 and int(buf.tensor[: 1 << 20].sum()) == 0
+    buf.view(torch.float32, 16 << 20).fill_(1.0)  # 64 MiB written
+    assert 48 << 20 < rss_bytes() - before < 128 << 20
+    pool.release(buf)
+    del pool, buf
+    gc.collect()
+    assert rss_bytes() - before < 32 << 20, "unmapped with the pool"
+
+
 def test_typed_view_and_size_check():
     pool = BufferPool(1, 4096, pin=False)
     with pool.borrow() as buf:

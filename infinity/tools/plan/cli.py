@@ -19,7 +19,7 @@ import json
 import os
 import tempfile
 
-from infinity.tools.plan.cost import Plan, _tier, format_size_h, plan
+from infinity.tools.plan.cost import Plan, _tier, format_size_h, plan_batch
 from infinity.tools.plan.measure import Rates, baseline_rss, measure_rates
 from infinity.tools.plan.shape import ModelShape, model_shape
 from infinity.units import parse_size
@@ -43,8 +43,10 @@ def add_arguments(p) -> None:
 
 def make_plan(*, model: str, memory_budget, nvme_path: str | None, config: str | None = None,
               precision: str | None = None, micro: int | None = None, seq: int | None = None, nproc: int = 1,
-              rates: Rates | None = None) -> tuple[Plan, ModelShape, Rates]:
-    """Parse, measure and plan: what `infinity plan` and `infinity train --memory-budget` share."""
+              rates: Rates | None = None, grad_accum: int | None = None,
+              split_batch: bool = False) -> tuple[Plan, ModelShape, Rates]:
+    """Parse, measure and plan: what `infinity plan` and `infinity train --memory-budget` share. `split_batch`:
+    the micro-batch is a default the plan may split ([Note: the planner may split the batch] in cost.py)."""
     import torch
 
     from infinity.config import load_config
@@ -78,9 +80,9 @@ def make_plan(*, model: str, memory_budget, nvme_path: str | None, config: str |
         rates = measure_rates(dim=shape.dim, tokens=micro * shape.seq, dtype=dtype, nvme_path=nvme_path,
                               aio=base.get("aio"), shape=shape, micro=micro,
                               direct=bool(base.get("infinity", {}).get("direct_io", True)))
-    p = plan(shape, budget, rates, precision=precision, micro=micro, world=nproc, nvme_path=nvme_path, base=base,
-             clipping=float(base.get("gradient_clipping", 0) or 0) > 0,
-             grad_accum=int(base.get("gradient_accumulation_steps", 1)))
+    p = plan_batch(shape, budget, rates, precision=precision, micro=micro, world=nproc, nvme_path=nvme_path,
+                   base=base, clipping=float(base.get("gradient_clipping", 0) or 0) > 0,
+                   grad_accum=grad_accum or int(base.get("gradient_accumulation_steps", 1)), split=split_batch)
     load_config(p.config)  # the planned config must load as it is
     return p, shape, rates
 
@@ -94,6 +96,8 @@ def describe(p: Plan, shape: ModelShape, rates: Rates, baseline: int | None = No
              f"optimizer:  {_tier(p.optimizer_tier)}"
              + (f" ({p.optimizer_buffer_count} buffers x sub-group {p.sub_group_size / 1e6:.2f}M elements)"
                 if p.optimizer_tier == "nvme" else "")]
+    if p.grad_accum > 1:
+        lines.append(f"batch: micro-batches of {p.micro_batch}, {p.grad_accum} per optimizer step")
     lines.append(f"predicted peak memory over baseline: {format_size_h(p.predicted_peak_bytes)}, in {p.peak_phase} ("
                  + ", ".join(f"{k.replace('_', ' ')} {format_size_h(v)}" for k, v in p.memory.items() if v) + ")")
     if baseline is not None:

@@ -53,7 +53,7 @@ import math
 from dataclasses import dataclass
 
 from infinity.engine.optimizer import SPLIT_ALIGN
-from infinity.engine.sizing import TARGET as SPLIT_TARGET
+from infinity.engine.sizing import FLOOR as SPLIT_FLOOR
 from infinity.tools.plan.measure import Rates
 from infinity.tools.plan.shape import ModelShape
 
@@ -76,6 +76,8 @@ class Plan:
 
     param_tier: str            # none | nvme
     optimizer_tier: str        # cpu | nvme
+    micro_batch: int           # samples per rank per forward
+    grad_accum: int            # micro-batches per optimizer step
     param_buffer_count: int
     param_buffer_size: int     # elements
     optimizer_buffer_count: int
@@ -122,7 +124,10 @@ class PoolSizing:
     prefetch_bucket: int
     """Elements of parameters prefetched ahead (0 when the parameters stay in RAM)."""
     pool_bytes: int
-    """Bytes of all swap buffers together."""
+    """Bytes of all swap buffers together, in training."""
+    setup_pool_bytes: int
+    """The same while the model is built: parameter buffers hold fp32 shards until initialize shrinks them
+    ([Note: the parameter pool shrinks after setup] in engine/params.py)."""
     inflight_grad_bytes: int
     """Bytes of fp32 gradients in flight (about two sub-groups' worth, or the whole shard if smaller)."""
 
@@ -151,10 +156,36 @@ def activation_bytes(shape: ModelShape, micro: int, precision: str) -> int:
     return layers + logits
 
 
+class NoPlacement(ValueError):
+    """No placement fits the budget; the message says what each would need."""
+
+
+def plan_batch(shape: ModelShape, budget: int, rates: Rates, *, micro: int, grad_accum: int = 1,
+               split: bool = False, **kw) -> Plan:
+    """[Note: the planner may split the batch]
+    `plan` at the run's micro-batch; with `split` (the user wrote no micro-batch, so the one in use is a
+    default), also at each smaller divisor of it, with the accumulation raised to keep the samples per optimizer
+    step: the first, the largest micro-batch, that fits is taken. At 125M with a 50k vocabulary the logits of
+    4 x 256 tokens (in bf16, their fp32 copy and its gradient) are about 0.5 GiB, a third of a 1.5 GiB budget;
+    two micro-batches of 2 halve that. The mean loss over the step is the same mean (equal-sized micro-batches),
+    summed in another order. A micro-batch the user wrote is never changed."""
+    sizes = [m for m in range(micro, 0, -1) if micro % m == 0] if split else [micro]
+    first = None
+    for m in sizes:
+        try:
+            return plan(shape, budget, rates, micro=m, grad_accum=grad_accum * (micro // m), rate_micro=micro, **kw)
+        except NoPlacement as e:
+            first = first or e
+    if len(sizes) > 1:
+        raise NoPlacement(f"{first} (nor with the batch of {micro} split into micro-batches down to 1)")
+    raise first
+
+
 def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16", micro: int = 1,
          world: int = 1, nvme_path: str | None = None, base: dict | None = None, clipping: bool = False,
-         grad_accum: int = 1) -> Plan:
-    """The fastest placement that fits `budget` bytes over the baseline (per rank: budget is per host)."""
+         grad_accum: int = 1, rate_micro: int | None = None) -> Plan:
+    """The fastest placement that fits `budget` bytes over the baseline (per rank: budget is per host).
+    `rates` were measured at `rate_micro` samples (default `micro`); the step runs `grad_accum` micro-batches."""
     per_rank = budget // world
     shard = math.ceil(shape.numel / world)
     largest_shard = math.ceil(shape.largest / world)
@@ -197,7 +228,7 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
         # With both on NVMe in bf16/fp16 an optimizer buffer also holds its sub-group's compute-dtype weights
         # ([Note: compute-dtype shards in the optimizer file] in engine/alias.py).
         ob = sb + (e if c.pools == "both" and e != 4 else 0)
-        sizing = _size_pools(c.pools, left, shape, shard, largest_shard, full_grads, ob)
+        sizing = _size_pools(c.pools, left, shape, shard, largest_shard, full_grads, ob, e)
         if sizing is None:
             reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)}: the {format_size_h(left)} left "
                            f"cannot hold the smallest working set of buffers")
@@ -205,7 +236,7 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
         mem["swap_buffers"] = sizing.pool_bytes
         mem["gradients"] += sizing.inflight_grad_bytes
         # Setup: the state above, the pools, and one sub-group's master being built.
-        setup = {"state_in_ram": c.setup_state_bytes, "swap_buffers": sizing.pool_bytes,
+        setup = {"state_in_ram": c.setup_state_bytes, "swap_buffers": sizing.setup_pool_bytes,
                  "master_being_built": 4 * sizing.sub_group_size, "fixed": FIXED_OVERHEAD}
         phase = "training" if sum(mem.values()) >= sum(setup.values()) else "setup"
         if phase == "setup":
@@ -216,19 +247,21 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
                            f"with its buffers")
             continue
         reads, writes = io_bytes(ptier, otier, shard, precision, sb, step_in_backward=(
-            precision != "fp16" and not (base or {}).get("gradient_clipping")
-            and (base or {}).get("infinity", {}).get("step_during_backward", True)))
+            precision != "fp16" and not (base or {}).get("gradient_clipping") and grad_accum == 1
+            and (base or {}).get("infinity", {}).get("step_during_backward", True)), grad_accum=grad_accum)
         t = step_time(shape, rates, micro=micro, shard=shard, reads=reads, writes=writes, param_tier=ptier,
-                      checksums=bool((base or {}).get("infinity", {}).get("checksums", True)), world=world)
+                      checksums=bool((base or {}).get("infinity", {}).get("checksums", True)), world=world,
+                      grad_accum=grad_accum, rate_micro=rate_micro or micro)
         cfg = _config(base, c, sizing, nvme_path=nvme_path, budget=budget, precision=precision, micro=micro,
-                      reduce_bucket=reduce_bucket)
-        return Plan(param_tier=ptier, optimizer_tier=otier, param_buffer_count=sizing.param_buffer_count,
+                      reduce_bucket=reduce_bucket, grad_accum=grad_accum)
+        return Plan(param_tier=ptier, optimizer_tier=otier, micro_batch=micro, grad_accum=grad_accum,
+                    param_buffer_count=sizing.param_buffer_count,
                     param_buffer_size=sizing.param_buffer_size, optimizer_buffer_count=sizing.optimizer_buffer_count,
                     sub_group_size=sizing.sub_group_size, prefetch_bucket=sizing.prefetch_bucket, memory=mem,
                     peak_phase=phase, predicted_peak_bytes=peak, predicted_step_s=t["step"], time=t,
                     io_read_bytes=reads, io_write_bytes=writes, config=cfg)
     hint = "" if nvme_path is not None else "; with --nvme-path the state can go to disk"
-    raise ValueError(f"--memory-budget {format_size_h(budget)}: no placement of {shape.name} "
+    raise NoPlacement(f"--memory-budget {format_size_h(budget)}: no placement of {shape.name} "
                      f"({shape.numel / 1e6:.1f}M params, {world} rank(s)) fits: " + "; ".join(reasons) + hint)
 
 
@@ -244,7 +277,7 @@ def format_size_h(n: float) -> str:
 
 
 def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, largest_shard: int,
-                full_grads: bool, sb: int = 12) -> PoolSizing | None:
+                full_grads: bool, sb: int = 12, pe: int = 4) -> PoolSizing | None:
     """The buffers and sub-groups for a placement needing `pools` (Placement.pools), or None when nothing
     workable fits in `left` bytes.
 
@@ -256,28 +289,29 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
     if pools is None:  # optimizer in RAM: sub-groups bound the gradients in flight and the master being built
         group = max(largest_shard, min(shard, 1 << 24, int(left // (grads + 4))))
         return PoolSizing(param_buffer_count=1, param_buffer_size=largest_shard, optimizer_buffer_count=1,
-                          sub_group_size=group, prefetch_bucket=0, pool_bytes=0,
+                          sub_group_size=group, prefetch_bucket=0, pool_bytes=0, setup_pool_bytes=0,
                           inflight_grad_bytes=int(min(grads * group, grads / 2 * shard)))
-    # Parameter buffers hold fp32 shards (4 B/element) and must hold the largest one.
+    # Parameter buffers must hold the largest shard: in fp32 while the model is built, then in the compute dtype
+    # (`pe` bytes an element) once initialize shrinks them; training, the phase sized here, sees pe.
     psize = largest_shard
     layer = max(math.ceil(shape.numel / max(shape.layers, 1) / max(math.ceil(shape.numel / shard), 1)), 1)
     pbufs = pbytes = 0
     # Both on NVMe, the shards live in the optimizer's files and a larger one is split over sub-groups of its own
     # ([Note: a large shard is split over sub-groups of its own] in engine/optimizer.py): a sub-group need not
-    # hold the largest shard, only the engine's own cap on a fitted one.
+    # hold the largest shard, only as much as still reads at the disk's rate (engine/sizing.py's FLOOR).
     split = pools == "both"
-    need = max(1, min(largest_shard, SPLIT_TARGET) if split else largest_shard)
+    need = max(1, min(largest_shard, SPLIT_FLOOR) if split else largest_shard)
     min_opt = int((min(OPT_BUFFERS) * sb + grads) * need)
     if pools == "both":
         # The least that works first (MIN_PARAM_BUFFERS, and 3 optimizer buffers of the largest shard); then
         # up to two layers of prefetch, from at most a third of what remains beyond that.
         pbufs = MIN_PARAM_BUFFERS
-        spare = left - pbufs * 4 * psize - min_opt
+        spare = left - pbufs * pe * psize - min_opt
         if spare < 0:
             return None
         want = max(MIN_PARAM_BUFFERS, math.ceil(2 * layer / psize) + 1)
-        pbufs += min(want - MIN_PARAM_BUFFERS, (spare // 3) // (4 * psize))
-        pbytes = pbufs * 4 * psize
+        pbufs += min(want - MIN_PARAM_BUFFERS, (spare // 3) // (pe * psize))
+        pbytes = pbufs * pe * psize
     elif left < min_opt:
         return None
     rest = left - pbytes
@@ -297,7 +331,7 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
     inflight = int(min(grads * group, grads / 2 * shard))  # two sub-groups, or the whole shard if smaller
     return PoolSizing(param_buffer_count=pbufs or 1, param_buffer_size=psize, optimizer_buffer_count=obufs,
                       sub_group_size=group, prefetch_bucket=int(prefetch), pool_bytes=pbytes + obufs * sb * group,
-                      inflight_grad_bytes=inflight)
+                      setup_pool_bytes=pbufs * 4 * psize + obufs * sb * group, inflight_grad_bytes=inflight)
 
 
 def optimizer_state_bytes(base: dict | None) -> int:
@@ -307,11 +341,12 @@ def optimizer_state_bytes(base: dict | None) -> int:
 
 
 def io_bytes(ptier: str, otier: str, shard: int, precision: str, sb: int = 12, *,
-             step_in_backward: bool = True) -> tuple[int, int]:
+             step_in_backward: bool = True, grad_accum: int = 1) -> tuple[int, int]:
     """Bytes read and written per step per rank: 28 B/param in fp32 and in bf16 with everything on NVMe and the
     step during backward, 32 and 30 with the step after it (clipping, fp16); sb 8 with bf16 moments. Shards are
     lent from the master where it is in host memory ([Note: backward reads from the state] in
-    engine/optimizer.py): always with the optimizer on the CPU, in backward when its NVMe state is read then."""
+    engine/optimizer.py): always with the optimizer on the CPU, in backward when its NVMe state is read then.
+    Each of `grad_accum` micro-batches reads the shards again."""
     e = lowp_bytes(precision)
     reads = writes = 0
     if otier == "nvme":
@@ -319,9 +354,9 @@ def io_bytes(ptier: str, otier: str, shard: int, precision: str, sb: int = 12, *
         writes += sb * shard
     if ptier == "nvme":
         if otier == "nvme":  # forward; backward too unless the step's read serves it (fp32: the files' slices)
-            reads += (1 if step_in_backward else 2) * e * shard
+            reads += ((1 if step_in_backward else 2) + 2 * (grad_accum - 1)) * e * shard
         elif otier != "cpu":
-            reads += 2 * e * shard
+            reads += 2 * grad_accum * e * shard
         if precision != "fp32" or otier != "nvme":
             # The new shard: the low-precision copy, or fp32 weights whose file is not a slice of the state's.
             writes += e * shard
@@ -329,7 +364,10 @@ def io_bytes(ptier: str, otier: str, shard: int, precision: str, sb: int = 12, *
 
 
 def step_time(shape: ModelShape, rates: Rates, *, micro: int, shard: int, reads: int, writes: int,
-              param_tier: str, checksums: bool = True, world: int = 1) -> dict:
+              param_tier: str, checksums: bool = True, world: int = 1, grad_accum: int = 1,
+              rate_micro: int | None = None) -> dict:
+    """Seconds per optimizer step, by item. `rates.layer_s` was measured at `rate_micro` samples (default
+    `micro`) and is scaled to `micro`; compute and module hooks count once per micro-batch."""
     tokens = micro * shape.seq
     passes = 8 if shape.checkpoint else 6  # forward 2, backward 4, recompute 2 FLOPs per param per token
     flops = passes * shape.numel * tokens + passes * shape.layers * shape.seq * shape.seq * shape.dim * micro
@@ -338,10 +376,12 @@ def step_time(shape: ModelShape, rates: Rates, *, micro: int, shard: int, reads:
         # the LM head, the loss).
         in_layers = shape.layers * sum(p.numel() for p in shape.block.parameters())  # layer_s implies a block
         rest = max(shape.numel - in_layers, 0)
-        compute = shape.layers * rates.layer_s * (4 / 3 if shape.checkpoint else 1.0)
+        layer_s = rates.layer_s * micro / (rate_micro or micro)
+        compute = shape.layers * layer_s * (4 / 3 if shape.checkpoint else 1.0)
         compute += 6 * rest * tokens / (rates.flops * MODEL_EFFICIENCY)
     else:
         compute = flops / (rates.flops * MODEL_EFFICIENCY)
+    compute *= grad_accum
     adam = shard / rates.adam_params_s
     copies = (reads + writes) / rates.memcpy_bytes_s
     if checksums and rates.crc_bytes_s:
@@ -352,7 +392,7 @@ def step_time(shape: ModelShape, rates: Rates, *, micro: int, shard: int, reads:
         io = world * (reads / rates.disk_read_bytes_s + writes / rates.disk_write_bytes_s)
     # Each module with parameters is gathered and released in forward and in backward (and again when a
     # checkpointed layer is recomputed): hooks, pool bookkeeping, futures.
-    hooks = (3 if shape.checkpoint else 2) * shape.modules * PER_MODULE_S[param_tier]
+    hooks = (3 if shape.checkpoint else 2) * shape.modules * PER_MODULE_S[param_tier] * grad_accum
     compute += hooks
     # Per-parameter engine work every step: zeroing and accumulating fp32 gradients, dtype conversions,
     # norms, copies of gathered shards.
@@ -379,10 +419,13 @@ def _report_planned(replaced: list[str]) -> None:
 
 
 def _config(base: dict | None, placement: Placement, sizing: PoolSizing, *, nvme_path: str | None, budget: int,
-            precision: str, micro: int, reduce_bucket: int) -> dict:
+            precision: str, micro: int, reduce_bucket: int, grad_accum: int = 1) -> dict:
     """A complete swap config with DeepSpeed's keys; `base` (a config dict) supplies everything not planned."""
     cfg = json.loads(json.dumps(base or {}))
     cfg["train_micro_batch_size_per_gpu"] = micro
+    if grad_accum > 1:  # the run's accumulation (raised where the plan split the batch); the total follows
+        cfg["gradient_accumulation_steps"] = grad_accum
+        cfg.pop("train_batch_size", None)
     cfg["bf16"] = {"enabled": precision == "bf16"}
     cfg["fp16"] = dict(cfg.get("fp16", {}), enabled=precision == "fp16")
     zero = cfg.setdefault("zero_optimization", {})
