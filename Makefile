@@ -16,7 +16,7 @@ $(STAMP): setup.py pyproject.toml native/install_deps.sh Makefile
 
 deps: $(STAMP)
 
-NATIVE_SRC := $(shell find native -name '*.cpp' -o -name '*.hpp' | grep -v '^native/tests/')
+NATIVE_SRC := $(shell find native -name '*.cpp' -o -name '*.hpp' -o -name '*.inl' -o -name '*.h' | grep -v '^native/tests/')
 BUILD_STAMP := build/.native-stamp
 
 # An editable install: the extension lands in infinity/ and `infinity` goes on PATH.

@@ -154,14 +154,15 @@ def test_the_default_swap_dirs_of_killed_runs_are_reclaimed(tmp_path):
 
     from infinity.tools.train import _reclaim_dead_runs
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    from infinity.dirlock import DirLock
+
     mine = tmp_path / "infinity-train.live" / "infinity-swap" / "param-rank0"
     gone = tmp_path / "infinity-train.dead" / "infinity-swap" / "param-rank0"
-    for d, pid in ((mine, os.getpid()), (gone, dead.pid)):
+    for d in (mine, gone):
         d.mkdir(parents=True)
-        (d / "owner.pid").write_text(str(pid))
         (d / "x.swp").write_bytes(b"x" * 4096)
+    live = DirLock(mine, what="test", fix="")  # a live run holds its lock; a killed one's owner.pid is unlocked
+    (gone / "owner.pid").write_text(str(os.getpid()))
     empty_old = tmp_path / "infinity-train.early"
     empty_old.mkdir()
     os.utime(empty_old, (time.time() - 7200, time.time() - 7200))
@@ -172,6 +173,7 @@ def test_the_default_swap_dirs_of_killed_runs_are_reclaimed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["infinity-train.fresh", "infinity-train.live",
                                                           "someone-else"]
     assert (mine / "x.swp").exists(), "a live run's swap files are untouched"
+    live.release()
 
 
 def test_a_configs_nvme_path_that_the_run_does_not_use_is_named(tmp_path):

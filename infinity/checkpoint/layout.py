@@ -284,9 +284,20 @@ def group_meta(attributes: dict | None = None) -> dict:
 
 
 def write_json(path: str, obj: dict) -> None:
-    """Write a small metadata file (made durable by the save's syncfs)."""
-    with open(path, "wb") as f:
-        f.write(json.dumps(obj, indent=1, allow_nan=False).encode())
+    """Write a small metadata file (made durable by the save's syncfs). An OSError names the file (a write
+    error alone, ENOSPC, says nothing of which)."""
+    data = json.dumps(obj, indent=1, allow_nan=False).encode()
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise _naming(exc, path) from None
+
+
+def _naming(exc: OSError, path: str) -> OSError:
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return type(exc)(exc.errno, f"{exc.strerror} (writing {path})", path)
 
 
 def read_latest(directory: str) -> str | None:
@@ -302,13 +313,20 @@ def write_latest(directory: str, tag: str) -> None:
     """Point DIR/latest at tag, crash-atomically: temp file, fsync, rename, fsync of DIR."""
     path = os.path.join(directory, LATEST)
     tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, (tag + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, (tag + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:  # latest still names the previous checkpoint; no latest.tmp is left behind
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise _naming(exc, tmp) from None
     fsync_dir(directory)
 
 

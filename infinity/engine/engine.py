@@ -28,7 +28,7 @@ from infinity.engine.hooks import ParamHooks
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.memory import CONSTRUCTION, set_mmap_threshold
 from infinity.engine.module_surface import ModuleSurface
-from infinity.engine.optimizer import ShardedAdam, shards_in_state
+from infinity.engine.optimizer import ShardedAdam, can_split, shards_in_state
 from infinity.engine.params import ParamStore, managed
 from infinity.engine.sizing import fit_optimizer
 from infinity.engine.zero_init import current_store
@@ -123,6 +123,7 @@ class Engine(ModuleSurface):
         self._gathered_mark = store.bytes_gathered
         self._comm_mark = self.comm.time_s
         self._closed = False
+        self._save_dirs: dict = {}  # realpath -> DirLock, rank 0's (own_save_dir)
         lifetime.track(self, remove_at_exit=cfg.infinity.remove_swap_at_exit)
 
     @property
@@ -329,6 +330,22 @@ class Engine(ModuleSurface):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
+    def own_save_dir(self, directory) -> None:
+        """Hold `directory` as this run's checkpoint directory until close() ([Note: directories are owned
+        through flock] in infinity/dirlock.py): rank 0 holds it for the run, and another live process saving
+        there raises DirectoryInUse instead of overwriting this run's checkpoints (or having its own
+        overwritten). save_checkpoint does it at its first save; `infinity train` at start. Local to the rank,
+        no collective: a caller on every rank wraps it in one."""
+        if self.comm.rank != 0:
+            return
+        from infinity.dirlock import DirLock
+
+        key = os.path.realpath(os.fspath(directory))
+        if key not in self._save_dirs:
+            self._save_dirs[key] = DirLock(key, what="the checkpoint directory", reentrant=True,
+                                           fix="another run saves its checkpoints there; give each run its own "
+                                               "save directory (--save-dir)")
+
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> str:
         """Write every rank's fp32 master weights, Adam moments, frozen weights, the step counters, loss scaler,
@@ -457,6 +474,9 @@ class Engine(ModuleSurface):
             return
         self._closed = True
         lifetime.forget(self)
+        for lock in self._save_dirs.values():
+            lock.release()
+        self._save_dirs.clear()
         self.hooks.remove()
         self.optimizer.close()
         self.store.close()
@@ -601,8 +621,8 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
         if Tier(cfg.zero_optimization.offload_optimizer.device) is Tier.NVME:
             by_group = [[managed(p) for p in g["params"]] for g in groups]
             ratio = cfg.zero_optimization.offload_optimizer.ratio
-            # [Note: a large shard is split over sub-groups of its own]: only where the shards live in its files
-            split = shards_in_state(store, by_group, Tier.NVME, ratio) is not None
+            # [Note: a large shard is split over sub-groups of its own]: where the shards live in its files or in RAM
+            split = can_split(store, by_group, Tier.NVME, ratio)
 
             def tail_bytes(plan) -> int:
                 in_state = shards_in_state(store, [g.params for g in plan], Tier.NVME, ratio)

@@ -92,6 +92,15 @@ class RamHome(ShardHome):
         mp.shard.copy_(values)
         return None
 
+    def write_piece(self, mp, lo: int, values: torch.Tensor, dtype: torch.dtype) -> None:
+        """Elements [lo, lo + len(values)) of mp's shard: a piece of a split shard, written in order from the
+        first (which takes the new dtype, as `write` would)."""
+        if mp.shard.dtype != dtype:
+            if lo:
+                raise AssertionError(f"a later piece of {mp.name} changes its shard's dtype")
+            mp.shard = torch.empty(mp.part, dtype=dtype, device=mp.shard.device)
+        mp.shard[lo:lo + values.numel()].copy_(values)
+
 
 class NvmeHome(ShardHome):
     """offload_param nvme: each shard is a swap file, read through the prefetch scheduler in forward/backward.

@@ -281,6 +281,10 @@ class ParamStore:
         if not param.is_floating_point():
             raise ValueError(f"infinity: parameter {name} has dtype {param.dtype}; only floating-point parameters "
                              "can be partitioned")
+        if param.dtype == torch.float64:  # it would be gathered in the compute dtype, its master kept in fp32
+            raise ValueError(f"infinity: parameter {name} is float64; the engine keeps fp32 master weights and "
+                             "computes in fp32, bf16 or fp16, so its float64 values would silently become float32: "
+                             "cast the model to float32 (model.float()) before zero_init / initialize")
         if param.is_meta:
             raise ValueError(f"infinity: parameter {name} is on the meta device, so it has no values to partition; "
                              "zero_init builds real values one module at a time, so build the model without "
@@ -524,6 +528,14 @@ class ParamStore:
             self.drop_staged([mp])
         return fut.wait() if wait and fut is not None else fut
 
+    def write_piece(self, mp: ManagedParam, lo: int, values: torch.Tensor) -> None:
+        """Replace elements [lo, lo + len(values)) of a RAM home's shard, in the compute dtype: a piece of a shard
+        split over sub-groups ([Note: a large shard is split over sub-groups of its own] in optimizer.py)."""
+        mp.home.write_piece(mp, lo, values, self.dtype)
+        mp.unwritten = False
+        if self._staged:
+            self.drop_staged([mp])
+
     # -------------------------------------------------------- gather/release
 
     def gather_full(self, mp: ManagedParam, *, scheduled: bool = True, dtype=None) -> torch.Tensor:
@@ -608,8 +620,9 @@ class ParamStore:
         if g is None or self.grad_for is None or not mp.trainable:
             return  # a parameter outside every optimizer group is not trained (see [Note: parameter groups])
         flat = g.reshape(-1).to(torch.float32)
-        if self.comm.world == 1:
-            self.grad_for(mp).add_(flat.to(self.grad_for(mp).device))
+        if self.comm.world == 1:  # [:numel]: a zero-size parameter still has a one-element shard
+            dst = self.grad_for(mp)
+            dst[:mp.numel].add_(flat.to(dst.device))
             self.grad_ready(mp)
             return
         pad = mp.part * self.comm.world - mp.numel

@@ -6,8 +6,9 @@ On-disk layout (one file per partition, `<nvme_path>/infinity-swap/[<kind>-]rank
   bytes [4096, 4096+B) the partition's raw little-endian bytes (C-order), B = numel x element size
   bytes [4096+B, 4096+B+T) a write-only tail, when the header has "tail_nbytes": T (Partition.tail_nbytes);
                        swap_in never reads it and "crc32c" does not cover it
-The directory also holds `owner.pid`. A directory whose owner is dead holds
-leftovers of a crashed run: `leftovers="clear"` removes them, `"reuse"`
+The directory also holds `owner.pid`, flocked by the swapper that owns it
+([Note: directories are owned through flock] in infinity/dirlock.py). A
+directory whose lock is free holds leftovers of a crashed run: `leftovers="clear"` removes them, `"reuse"`
 registers every file whose header parses (its checksum is verified on first
 read; a write of another layout before any read replaces the file, since a
 new run's layout wins over a dead one's), `"error"` refuses to start. A clean
@@ -49,6 +50,7 @@ from infinity.dtypes import BY_NAME, name_of
 from infinity.errors import SwapCorruptionError
 from infinity.io import AsyncIO, aligned_empty
 from infinity.swap.checksum import crc32c
+from infinity.dirlock import DirLock
 from infinity.swap.pool import BufferPool
 from infinity.swap.registry import Partition, Registry, Residency
 from infinity.swap.tier import HOST
@@ -159,15 +161,11 @@ class TensorSwapper:
                                    "give each one its own directory or rank")
             _CLAIMED.add(key)
         self._claim_key = key
-        os.makedirs(self.dir, exist_ok=True)
-        pid_file = os.path.join(self.dir, "owner.pid")
+        # [Note: directories are owned through flock] in infinity/dirlock.py: one live owner, whoever races
+        self._owner = DirLock(self.dir, what="TensorSwapper: the swap directory",
+                              fix="give each job its own nvme_path")
         found = [f for f in os.listdir(self.dir) if f.endswith(".swp")]
-        if os.path.exists(pid_file):
-            owner = read_owner(pid_file)
-            if owner and owner != os.getpid() and _alive(owner):
-                raise RuntimeError(f"TensorSwapper: {self.dir} is in use by running process {owner}; "
-                                   "give each job its own nvme_path")
-        if found:
+        if found:  # the lock was free: whoever wrote them is gone
             if policy == "error":
                 raise RuntimeError(f"TensorSwapper: {self.dir} holds {len(found)} swap files from a crashed run; "
                                    'remove them, or set infinity.leftovers to "clear" or "reuse"')
@@ -180,11 +178,12 @@ class TensorSwapper:
                 reused = sum(self._adopt(os.path.join(self.dir, f)) for f in found)
                 warnings.warn(f"infinity: reusing {reused} of {len(found)} swap files left in {self.dir}",
                               stacklevel=3)
-        with open(pid_file, "w") as f:
-            f.write(str(os.getpid()))
         return len(found)
 
     def _unclaim(self) -> None:
+        owner = getattr(self, "_owner", None)
+        if owner is not None:
+            owner.release()
         with _CLAIMED_LOCK:
             _CLAIMED.discard(self._claim_key)
 
@@ -519,25 +518,6 @@ def _header_text(part: Partition, crc) -> bytes:
     if len(text) > HEADER:
         raise ValueError(f"partition id {part.id!r} is too long for the swap-file header")
     return text
-
-
-def read_owner(pid_file: str) -> int:
-    """The pid a swap directory's owner.pid names; 0 when it is empty, unreadable or garbled."""
-    try:
-        with open(pid_file) as f:
-            return int(f.read().strip() or "0")
-    except (OSError, ValueError):
-        return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 __all__ = ["TensorSwapper", "SwapFuture", "HEADER"]

@@ -61,14 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from infinity.checkpoint import CheckpointError
+    from infinity.dirlock import DirectoryInUse
+    from infinity.engine.comm import RankFailure
 
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
-    except (ValueError, OSError, CheckpointError) as exc:
-        # Bad input is one line naming what was wrong, not a traceback.
+    except (ValueError, OSError, CheckpointError, DirectoryInUse) as exc:
+        # Bad input, and a directory another run owns, is one line naming what was wrong, not a traceback.
         print(f"infinity {args.cmd}: {exc}", file=sys.stderr)
         return 2
+    except RankFailure as exc:  # another rank died or hung: its own output says why
+        print(f"infinity {args.cmd}: {exc}", file=sys.stderr)
+        return 1
     except FloatingPointError as exc:  # a run that diverged: its message names the step and the lr
         print(f"infinity {args.cmd}: {exc}", file=sys.stderr)
         return 1

@@ -77,6 +77,8 @@ def add_arguments(p) -> None:
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (default: only at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir (if it "
                                                          "has one), bit-exactly")
+    p.add_argument("--resume-changed", action="store_true",
+                   help="with --resume: continue a checkpoint saved with another --lr, --warmup or --config")
 
 
 def _check_args(args) -> None:
@@ -158,9 +160,10 @@ def _say_nvme_path_overridden(config: str, nvme: str) -> None:
 
 def _reclaim_dead_runs(base: str) -> None:
     """Remove the default swap directories of earlier runs that were killed (kill -9, the OOM killer), which
-    nothing else would: each swapper records its process in owner.pid, and a directory whose every owner is
-    dead is removed. A directory without owners (killed before its first swap file) goes after an hour."""
-    from infinity.swap.swapper import _alive, read_owner
+    nothing else would: each swapper holds a lock on its directory's owner.pid while it lives ([Note:
+    directories are owned through flock] in infinity/dirlock.py), and a run directory none of whose locks is
+    held is removed. One without any owner.pid (killed before its first swapper) goes after an hour."""
+    from infinity.dirlock import probe
 
     try:
         names = [n for n in os.listdir(base) if n.startswith("infinity-train.")]
@@ -168,11 +171,9 @@ def _reclaim_dead_runs(base: str) -> None:
         return
     for name in names:
         path = os.path.join(base, name)
-        owners = [read_owner(os.path.join(root, "owner.pid")) for root, _, files in os.walk(path)
-                  if "owner.pid" in files]
+        owned = [probe(root) for root, _, files in os.walk(path) if "owner.pid" in files]
         try:
-            stale = (owners and not any(p and _alive(p) for p in owners)) or (
-                not owners and time.time() - os.stat(path).st_mtime > 3600)
+            stale = (owned and not any(owned)) or (not owned and time.time() - os.stat(path).st_mtime > 3600)
         except OSError:
             continue
         if stale:
@@ -452,6 +453,10 @@ def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, bas
                        "seq": seq, "steps": steps, "param_tier": str(engine.store.tier),
                        "optimizer_tier": str(engine.optimizer.tier), "baseline_rss_bytes": baseline,
                        "swap_bytes_after_setup": _dir_bytes(nvme), "load": load}, f, indent=2)
+    if args.save_dir:  # before training: a second run into the same --save-dir stops here, not at its first save
+        from infinity.checkpoint.save import together
+
+        together(engine.comm, "claim of --save-dir", lambda: engine.own_save_dir(args.save_dir))
     start = _resume(args, engine, seq, rank)
     progress = Progress(total=steps, start=start, enabled=rank == 0, every=args.log_every)
     metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None
@@ -534,11 +539,14 @@ def _one_step(engine, data, step: int, accum: int) -> dict:
 def _resume(args, engine, seq: int, rank: int) -> int:
     if not args.resume:
         return 0
-    if not os.path.exists(os.path.join(args.save_dir, "latest")):
+    tag, why = _resume_tag(args.save_dir)
+    if tag is None:
         if rank == 0:
             print(f"--resume: no checkpoint in {args.save_dir} yet; starting at step 0", flush=True)
         return 0
-    path, state = engine.load_checkpoint(args.save_dir)
+    if why and rank == 0:
+        print(f"--resume: {why}", flush=True)
+    path, state = engine.load_checkpoint(args.save_dir, tag=tag)
     state = state if isinstance(state, dict) else {}
     if state.get("seq") != seq or state.get("model") != args.model or "next_step" not in state:
         raise ValueError(f"--resume: {path} was saved by a run with --model {state.get('model')} and --seq "
@@ -549,9 +557,61 @@ def _resume(args, engine, seq: int, rank: int) -> int:
         diff = ", ".join(f"{k} {theirs[k]} (now {mine[k]})" for k in mine if theirs[k] != mine[k])
         raise ValueError(f"--resume: {path} was saved by a run with {diff}; resume with the same settings, or "
                          "start a new run in another --save-dir")
+    mine, theirs = _run_keys(args), state.get("run")
+    if theirs is not None and theirs != mine and not args.resume_changed:
+        diff = ", ".join(f"{k} {theirs.get(k)} (now {mine[k]})" for k in mine if theirs.get(k) != mine[k])
+        raise ValueError(f"--resume: {path} belongs to another run: it was saved with {diff}; resume with the "
+                         "same settings, or pass --resume-changed to continue it with these")
     if rank == 0:
         print(f"resumed from {path} at step {state['next_step']}", flush=True)
     return state["next_step"]
+
+
+def _resume_tag(save_dir: str) -> tuple[str | None, str | None]:
+    """The checkpoint --resume loads: the one `latest` names; without `latest` (a save killed while writing it,
+    ENOSPC there, or a deleted file), the newest complete checkpoint, with a line saying so. (None, None) for
+    a directory with no checkpoint at all. Never a silent restart over checkpoints: a directory holding only
+    unusable ones raises, naming them."""
+    from infinity.checkpoint.layout import CheckpointError, read_latest
+    from infinity.checkpoint.load import resolve
+
+    tag = read_latest(save_dir) if os.path.isdir(save_dir) else None
+    if tag is not None:
+        return tag, None
+    if not os.path.isdir(save_dir):
+        return None, None
+    complete, broken = [], []
+    for name in sorted(os.listdir(save_dir)):
+        if not os.path.isdir(os.path.join(save_dir, name)):
+            continue
+        if name.startswith("."):  # .<tag>.partial: a save that was interrupted
+            broken.append(f"{name} (an interrupted save)")
+            continue
+        try:
+            _, m = resolve(save_dir, name)
+        except (CheckpointError, ValueError) as exc:
+            broken.append(f"{name} ({exc})")
+            continue
+        complete.append(((m.engine or {}).get("global_steps", -1), m.created, name))
+    if complete:
+        newest = max(complete)[2]
+        return newest, (f"{save_dir} has no 'latest' file (a save killed or out of space while writing it, or "
+                        f"the file removed); resuming from the newest complete checkpoint, {newest}")
+    if broken or os.path.exists(os.path.join(save_dir, "latest.tmp")):
+        raise CheckpointError(f"--resume: {save_dir} has no complete checkpoint to resume from: "
+                              f"{'; '.join(broken) or 'only latest.tmp'}; remove them to start over, or point "
+                              "--save-dir at the right directory")
+    return None, None
+
+
+def _run_keys(args) -> dict:
+    """What makes a checkpoint this run's (beyond the data position): a --resume with others is refused unless
+    --resume-changed (two runs saving into one directory would otherwise continue each other)."""
+    import hashlib
+
+    with open(args.config, "rb") as f:
+        config = hashlib.sha256(f.read()).hexdigest()[:16]
+    return {"lr": args.lr, "warmup": args.warmup, "config": config}
 
 
 def _data_position_keys(args, engine) -> dict:
@@ -565,7 +625,7 @@ def _save(args, engine, tokenizer, src, done: int, seq: int, out: Path, progress
     t0 = time.perf_counter()
     path = engine.save_checkpoint(args.save_dir, client_state={
         "next_step": done, "model": args.model, "seq": seq, "model_dir": src.directory,
-        **_data_position_keys(args, engine)})
+        **_data_position_keys(args, engine), "run": _run_keys(args)})
     if src.kind != "preset" and not final:  # the final one is out/final
         engine.save_pretrained(out / f"step-{done}", tokenizer=tokenizer, merge_lora=args.merge_lora)
     progress.say(f"saved {path} in {time.perf_counter() - t0:.1f} s")

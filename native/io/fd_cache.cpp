@@ -78,6 +78,16 @@ std::shared_ptr<OpenFile> FdCache::get(const std::string& path, bool write, bool
       index_.erase(it);
     }
   }
+  if (capacity_ > 0) {
+    // [Note: cached fds never keep a deleted file] A cached fd keeps its file's blocks allocated after the
+    // file is removed (a rotated checkpoint, a replaced swap file) until the fd closes: on a full disk the
+    // next write then fails with ENOSPC although the space was "freed". So before opening another file
+    // (the moment new space may be needed) the cache drops every entry whose file has no name left
+    // (st_nlink 0); its fd closes once no request holds it. An fstat per cached fd, on misses only: a run's
+    // swap files fit the cache (1024), so misses are rare, and each costs an open(2) anyway.
+    std::lock_guard<std::mutex> lk(mu_);
+    drop_unlinked_locked();
+  }
   std::shared_ptr<OpenFile> f = open_new(path, write, direct, err);
   if (!f || capacity_ == 0) return f;
   std::lock_guard<std::mutex> lk(mu_);
@@ -93,6 +103,20 @@ std::shared_ptr<OpenFile> FdCache::get(const std::string& path, bool write, bool
     lru_.pop_back();
   }
   return f;
+}
+
+void FdCache::drop_unlinked_locked() {
+  for (auto it = lru_.begin(); it != lru_.end();) {
+    struct stat st;
+    // A failed fstat (it cannot fail on an open fd short of EOVERFLOW) keeps the entry: get() re-checks
+    // the path's identity before every reuse anyway.
+    if (::fstat(it->file->fd, &st) == 0 && st.st_nlink == 0) {
+      index_.erase(it->key);
+      it = lru_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 void FdCache::forget(const std::string& path) {

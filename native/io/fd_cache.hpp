@@ -14,7 +14,9 @@
 // file truncated in place keeps its inode and its fd, which sees the new
 // size. A cached fd keeps a removed file's blocks allocated, so code that
 // removes a file it wrote calls Handle::forget(path) first (the swapper
-// does); Handle::close() closes every fd. Because a cached fd of a written
+// does), and a file removed by anyone else is dropped at the next miss
+// ([Note: cached fds never keep a deleted file] in fd_cache.cpp);
+// Handle::close() closes every fd. Because a cached fd of a written
 // file is closed later than its request, an error that close() reports
 // (possible on network filesystems) is kept and raised by Handle::close(),
 // not by the request; local filesystems report write errors at completion.
@@ -82,6 +84,7 @@ class FdCache {
     std::shared_ptr<OpenFile> file;
   };
   std::shared_ptr<OpenFile> open_new(const std::string& path, bool write, bool direct, int* err);
+  void drop_unlinked_locked();  // mu_ held: entries whose file has no name left (see get())
 
   size_t capacity_;
   std::shared_ptr<CloseErrors> errors_;

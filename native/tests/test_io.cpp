@@ -274,6 +274,15 @@ static void fd_cache(Backend b) {
     CHECK(w->result() == a.size());
     struct stat st;
     CHECK(::stat(path.c_str(), &st) == 0 && st.st_size == static_cast<off_t>(a.size()));
+    // Removed by someone else, and never written again: the next open (a miss) drops its cached fds, so the
+    // blocks are freed while the handle lives ([Note: cached fds never keep a deleted file]).
+    const size_t cached = h.fds_cached();
+    CHECK(::unlink(path.c_str()) == 0);
+    auto y = h.submit(true, a.data(), 4096, g_dir + "/after-unlink", 0);
+    y->wait(-1);
+    CHECK(y->result() == 4096);
+    CHECK(h.fds_cached() <= cached);  // the new file's fd in, the removed file's (its write fd, and a read fd of an
+                                      // inode unlinked earlier) out: without the sweep, cached + 1
     // Bounded: 12 files through a cache of 4.
     for (int i = 0; i < 12; ++i) {
       auto x = h.submit(true, a.data(), 4096, g_dir + "/many" + std::to_string(i), 0);

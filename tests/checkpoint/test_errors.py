@@ -297,7 +297,7 @@ def test_leftovers_of_killed_saves_are_removed_by_the_next_save(saved):
     (ck / ".global_step5.partial" / "master").mkdir(parents=True)
     (ck / ".other.partial").mkdir()
     e.save_checkpoint(ck, "next")
-    assert sorted(os.listdir(ck)) == ["global_step1", "latest", "next"]
+    assert sorted(os.listdir(ck)) == ["global_step1", "latest", "next", "owner.pid"]  # the open engine's lock
 
 
 def _rewrite_manifest(root, change):

@@ -271,3 +271,55 @@ def test_the_nvme_parameter_pool_fits_the_model_when_initialize_builds_it(tmp_pa
     with infinity.initialize(built, cfg(buffer_size=5000)) as engine:
         # [Note: the parameter pool shrinks after setup]: once the shards are known, the pool holds the largest
         assert engine.store.swap.pool.size == 4 * 64 * 32
+
+
+class _WithAnEmptyParameter(torch.nn.Module):
+    """A zero-size parameter that receives a gradient (a LoRA of rank 0, a bias of an empty projection), as
+    plain torch trains it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 8))
+
+    def forward(self, x):
+        return (self.fc(x) + self.empty.sum(0)).square().mean()
+
+
+@pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
+def test_a_zero_size_parameter_with_a_gradient_trains_as_in_torch(tmp_path, tier):
+    """Probe finding 6 of the issue "Engine assembled from one typed plan": backward crashed on every tier
+    (output with shape [1] doesn't match the broadcast shape [0])."""
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(s)) for s in range(STEPS)]
+    torch.manual_seed(0)
+    ref = _WithAnEmptyParameter()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for x in xs:
+        loss = ref(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    torch.manual_seed(0)
+    cfg = engine_config(tier, str(tmp_path), **{"optimizer.params.lr": 1e-2, "optimizer.params.weight_decay": 0.01,
+                                                "gradient_clipping": 0.0})
+    with initialize(_WithAnEmptyParameter(), cfg) as e:
+        got = []
+        for x in xs:
+            loss = e(x)
+            e.backward(loss)
+            e.step()
+            got.append(loss.item())
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, want)), (got, want)
+
+
+def test_a_float64_parameter_is_refused_by_name(tmp_path):
+    """Probe finding 7: float64 was silently computed in float32, and the user then met torch's "mat1 and mat2
+    must have the same dtype"."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2).double())
+    with pytest.raises(ValueError, match=r"parameter 1\.weight is float64; .*cast the model to float32 "
+                                         r"\(model\.float\(\)\) before zero_init / initialize"):
+        initialize(model, engine_config("cpu", str(tmp_path)))
+    with initialize(model.float(), engine_config("cpu", str(tmp_path))) as e:
+        assert e(torch.randn(3, 4)).shape == (3, 2)

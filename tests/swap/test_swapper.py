@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -223,16 +224,59 @@ def test_leftovers_refused(crashed_dir):
 
 
 def test_directory_in_use_by_a_live_process(disk_dir):
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    """[Note: directories are owned through flock]: another process's swapper holds the directory."""
+    from infinity.dirlock import DirectoryInUse
+
+    code = ("import sys, time; from infinity.swap import BufferPool, TensorSwapper; "
+            f"sw = TensorSwapper({str(disk_dir)!r}, BufferPool(1, 4096, pin=False)); print('ready', flush=True); "
+            "sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        d = disk_dir / "infinity-swap" / "rank0"
-        d.mkdir(parents=True)
-        (d / "owner.pid").write_text(str(holder.pid))
-        with pytest.raises(RuntimeError, match=f"is in use by running process {holder.pid}"):
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(DirectoryInUse, match=f"swap directory .*rank0 is in use by running process {holder.pid}; "
+                                                 "give each job its own nvme_path"):
             TensorSwapper(disk_dir, BufferPool(1, 4096, pin=False))
     finally:
         holder.kill()
         holder.wait()
+    # Killed (no close): the lock died with it, and the directory is this process's to claim.
+    sw = TensorSwapper(disk_dir, BufferPool(1, 4096, pin=False))
+    sw.close()
+
+
+def test_a_pid_file_without_its_lock_is_no_owner(disk_dir):
+    """A pid in owner.pid proves nothing (pids are reused, and a killed run leaves its file): only the lock."""
+    d = disk_dir / "infinity-swap" / "rank0"
+    d.mkdir(parents=True)
+    (d / "owner.pid").write_text(str(os.getppid()))  # a live process, which holds no lock on it
+    sw = TensorSwapper(disk_dir, BufferPool(1, 4096, pin=False))
+    sw.close()
+
+
+def test_simultaneous_claims_of_one_swap_directory_have_one_winner(disk_dir):
+    """40 processes released at once claim one directory through the lock the swapper takes (DirLock, loaded on
+    its own so that each process starts in milliseconds and they really race): exactly one owns it, each other
+    one is refused by name. The pid-file claim let 3 of 40 in beside the owner, and one read the other's values."""
+    import infinity.dirlock
+
+    code = ("import importlib.util, sys, time\n"
+            f"spec = importlib.util.spec_from_file_location('dirlock', {infinity.dirlock.__file__!r})\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "time.sleep(max(0, float(sys.argv[1]) - time.time()))\n"
+            f"try:\n lock = m.DirLock({str(disk_dir / 'rank0')!r}, what='swap directory', fix='x')\n"
+            "except m.DirectoryInUse:\n print('refused', flush=True); sys.exit(0)\n"
+            "print('owner', flush=True); sys.stdin.read()")  # held until every process has tried
+    t0 = time.time() + 3
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(t0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) for _ in range(40)]
+    try:
+        outs = [p.stdout.readline().strip() for p in procs]
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(60)
+    assert all(p.returncode == 0 for p in procs)
+    assert outs.count("owner") == 1 and outs.count("refused") == 39, outs
 
 
 def test_enospc_mid_swap_out_keeps_the_partition_in_memory(tiny_fs):

@@ -296,10 +296,11 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
     psize = largest_shard
     layer = max(math.ceil(shape.numel / max(shape.layers, 1) / max(math.ceil(shape.numel / shard), 1)), 1)
     pbufs = pbytes = 0
-    # Both on NVMe, the shards live in the optimizer's files and a larger one is split over sub-groups of its own
-    # ([Note: a large shard is split over sub-groups of its own] in engine/optimizer.py): a sub-group need not
-    # hold the largest shard, only as much as still reads at the disk's rate (engine/sizing.py's FLOOR).
-    split = pools == "both"
+    # Both on NVMe the shards live in the optimizer's files, and with the optimizer alone on NVMe in RAM: either
+    # way a larger one is split over sub-groups of its own ([Note: a large shard is split over sub-groups of its
+    # own] in engine/optimizer.py), so a sub-group need not hold the largest shard, only as much as still reads
+    # at the disk's rate (engine/sizing.py's FLOOR).
+    split = pools in ("both", "opt")
     need = max(1, min(largest_shard, SPLIT_FLOOR) if split else largest_shard)
     min_opt = int((min(OPT_BUFFERS) * sb + grads) * need)
     if pools == "both":

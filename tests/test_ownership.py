@@ -1,0 +1,208 @@
+"""Runs that cannot clobber or lose each other (probe findings 1-3 of the issue "Engine assembled from one typed
+plan"): a save directory is owned by one live run ([Note: directories are owned through flock] in
+infinity/dirlock.py), a checkpoint records the run it belongs to, `--resume` without `latest` finds the newest
+complete checkpoint or raises, and a failed write of the manifest or of `latest` names its file."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from infinity.dirlock import DirectoryInUse, DirLock, probe
+from infinity.engine import initialize
+from infinity.testing.parity import engine_config
+
+INFINITY = [sys.executable, "-m", "infinity"]
+
+
+def train(*args, timeout=300):
+    return subprocess.run(INFINITY + ["train", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _engine(tmp_path):
+    torch.manual_seed(0)
+    return initialize(torch.nn.Linear(8, 8), engine_config("cpu", str(tmp_path)))
+
+
+def _step(e):
+    loss = e(torch.randn(2, 8)).square().mean()
+    e.backward(loss)
+    e.step()
+
+
+def test_a_save_directory_is_one_live_process_s(tmp_path):
+    """Another process saving checkpoints into a directory holds it: a save there is refused by name and writes
+    nothing; once that process is killed (no close, no cleanup), the directory can be taken."""
+    ck = tmp_path / "ck"
+    code = ("import sys, torch; from infinity.engine import initialize; "
+            "from infinity.testing.parity import engine_config; "
+            f"e = initialize(torch.nn.Linear(8, 8), engine_config('cpu', {str(tmp_path)!r})); "
+            f"e.save_checkpoint({str(ck)!r}, tag='theirs'); print('saved', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "saved"
+        with _engine(tmp_path) as e:
+            _step(e)
+            with pytest.raises(DirectoryInUse, match=rf"the checkpoint directory {ck} is in use by running process "
+                                                     rf"{holder.pid}; another run saves its checkpoints there"):
+                e.save_checkpoint(str(ck), tag="mine")
+            assert sorted(os.listdir(ck)) == ["latest", "owner.pid", "theirs"], "nothing of ours was written"
+            assert (ck / "latest").read_text().strip() == "theirs"
+    finally:
+        holder.kill()
+        holder.wait()
+    with _engine(tmp_path) as e:  # the kernel dropped the dead holder's lock
+        _step(e)
+        e.save_checkpoint(str(ck), tag="mine")
+        assert probe(ck) is True
+        # Engines of one process may save into one directory one after another: the owner is the process.
+        with _engine(tmp_path) as again:
+            _step(again)
+            again.save_checkpoint(str(ck), tag="again")
+        assert probe(ck) is True, "still held by the first engine"
+    assert not (ck / "owner.pid").exists() and probe(ck) is None, "released and removed at close"
+    assert (ck / "latest").read_text().strip() == "again"
+
+
+def test_a_lock_whose_file_the_owner_removed_is_taken_on_a_fresh_file(tmp_path):
+    """The owner may remove the directory while it holds the lock (a swapper's close): a claimer that opened the
+    old owner.pid locks a dead file, sees it, and claims a new one."""
+    d = tmp_path / "d"
+    first = DirLock(d, what="test", fix="")
+    stale_fd = os.open(d / "owner.pid", os.O_RDONLY)
+    first.release()
+    second = DirLock(d, what="test", fix="")
+    assert (d / "owner.pid").exists() and os.fstat(stale_fd).st_nlink == 0
+    assert int((d / "owner.pid").read_text()) == os.getpid()
+    os.close(stale_fd)
+    second.release()
+
+
+def test_two_runs_cannot_save_into_one_directory(tmp_path, disk_dir):
+    """Probe finding 1: two runs with different seeds and lrs saving to one --save-dir both exited 0, and every
+    checkpoint was the second's. The second now stops before its first step with one line."""
+    ck = tmp_path / "ck"
+    first = subprocess.Popen(INFINITY + ["train", "--model", "gpt-tiny", "--steps", "400", "--save-dir", str(ck),
+                                         "--save-every", "100", "--nvme-path", str(disk_dir / "a"),
+                                         "--out", str(tmp_path / "a")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while probe(ck) is not True and time.time() < deadline and first.poll() is None:
+            time.sleep(0.1)
+        assert probe(ck) is True, "the first run holds its --save-dir from the start"
+        second = train("--model", "gpt-tiny", "--steps", "2", "--seed", "1", "--lr", "1e-3", "--save-dir", str(ck),
+                       "--nvme-path", str(disk_dir / "b"), "--out", str(tmp_path / "b"))
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert second.stderr.strip().splitlines() == [
+            f"infinity train: the checkpoint directory {ck} is in use by running process {first.pid}; another run "
+            "saves its checkpoints there; give each run its own save directory (--save-dir)"]
+        assert not (tmp_path / "b" / "metrics.jsonl").exists(), "refused before training"
+    finally:
+        first.kill()
+        first.communicate()
+
+
+COMMON = ["--model", "gpt-tiny", "--warmup", "3", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One run's checkpoints at steps 1 and 2 (of 4), and the uninterrupted run's losses, shared by the resume
+    tests (each copies the directory)."""
+    base = tmp_path_factory.mktemp("saved")
+    full = train(*COMMON, "--steps", "4", "--nvme-path", str(base), "--out", str(base / "full"))
+    assert full.returncode == 0, full.stderr
+    first = train(*COMMON, "--steps", "2", "--save-dir", str(base / "ck"), "--save-every", "1", "--nvme-path",
+                  str(base), "--out", str(base / "a"))
+    assert first.returncode == 0, first.stderr
+    return base
+
+
+def _copy(saved, tmp_path):
+    import shutil
+
+    shutil.copytree(saved / "ck", tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def test_resume_without_latest_takes_the_newest_complete_checkpoint(saved, tmp_path, disk_dir):
+    """Probe finding 3: with `latest` gone (ENOSPC while writing it, a crash between rename and write) --resume
+    retrained from step 0 over complete checkpoints."""
+    ck = _copy(saved, tmp_path)
+    (ck / "latest").unlink()
+    (ck / "latest.tmp").write_text("global_st")  # what a write cut short leaves
+    second = train(*COMMON, "--steps", "4", "--save-dir", str(ck), "--resume", "--nvme-path", str(disk_dir),
+                   "--out", str(tmp_path / "b"))
+    assert second.returncode == 0, second.stderr
+    assert (f"--resume: {ck} has no 'latest' file (a save killed or out of space while writing it, or the file "
+            "removed); resuming from the newest complete checkpoint, global_step2") in second.stdout
+    assert "resumed from" in second.stdout and "at step 2" in second.stdout
+    losses = [r["loss"] for r in metrics(saved / "a") + metrics(tmp_path / "b")]
+    assert losses == [r["loss"] for r in metrics(saved / "full")]
+
+
+def test_resume_over_only_broken_checkpoints_raises_and_never_restarts(tmp_path, disk_dir):
+    ck = tmp_path / "ck"
+    (ck / ".global_step3.partial").mkdir(parents=True)
+    (ck / "global_step2").mkdir()  # no zarr.json: its save never completed
+    out = train("--model", "gpt-tiny", "--steps", "2", "--save-dir", str(ck), "--resume", "--nvme-path",
+                str(disk_dir), "--out", str(tmp_path / "b"))
+    assert out.returncode == 2
+    assert (f"--resume: {ck} has no complete checkpoint to resume from: .global_step3.partial (an interrupted "
+            f"save); global_step2 (checkpoint {ck}/global_step2 is partial") in out.stderr
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()
+    empty = train("--model", "gpt-tiny", "--steps", "1", "--save-dir", str(tmp_path / "new"), "--resume",
+                  "--nvme-path", str(disk_dir), "--out", str(tmp_path / "c"))
+    assert empty.returncode == 0 and "no checkpoint in" in empty.stdout and "starting at step 0" in empty.stdout
+
+
+def test_resume_refuses_another_runs_checkpoint_unless_told(saved, tmp_path, disk_dir):
+    """A checkpoint records its run (--lr, --warmup, the config's bytes): --resume with others is refused,
+    naming them, and --resume-changed continues it."""
+    ck = _copy(saved, tmp_path)
+    other = [a if a != "1e-3" else "3e-4" for a in COMMON] + ["--nvme-path", str(disk_dir)]
+    refused = train(*other, "--steps", "4", "--save-dir", str(ck), "--resume", "--out", str(tmp_path / "b"))
+    assert refused.returncode == 2
+    assert (f"--resume: {ck}/global_step2 belongs to another run: it was saved with lr 0.001 (now 0.0003); resume "
+            "with the same settings, or pass --resume-changed to continue it with these") in refused.stderr
+    told = train(*other, "--steps", "3", "--save-dir", str(ck), "--resume", "--resume-changed",
+                 "--out", str(tmp_path / "c"))
+    assert told.returncode == 0, told.stderr
+    assert "at step 2" in told.stdout and metrics(tmp_path / "c")[0]["lr"] != metrics(saved / "a")[-1]["lr"]
+
+
+def test_a_failed_write_of_latest_names_it_and_leaves_the_previous_one(tiny_fs):
+    from infinity.checkpoint.layout import write_json, write_latest
+
+    write_latest(str(tiny_fs), "global_step1")
+    fd = os.open(tiny_fs / "filler", os.O_WRONLY | os.O_CREAT)  # fill the filesystem to the last block
+    try:
+        for size in (1 << 16, 4096, 512, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+                    os.fsync(fd)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as err:
+        write_latest(str(tiny_fs), "global_step2" + "x" * 8000)  # more than the blocks left
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(tiny_fs / "latest.tmp")
+    assert f"writing {tiny_fs / 'latest.tmp'}" in str(err.value)
+    assert (tiny_fs / "latest").read_text().strip() == "global_step1" and not (tiny_fs / "latest.tmp").exists()
+    with pytest.raises(OSError) as err:
+        write_json(str(tiny_fs / "zarr.json"), {"x": "y" * 100_000})
+    assert err.value.filename == str(tiny_fs / "zarr.json")
