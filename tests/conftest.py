@@ -88,3 +88,23 @@ def tiny_fs(tmp_path):
             time.sleep(0.1)
         else:
             subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+SAVED_RUN = ["--model", "gpt-tiny", "--warmup", "3", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="session")
+def saved_run(tmp_path_factory):
+    """`infinity train` with SAVED_RUN: 4 uninterrupted steps (DIR/full), and 2 steps saving a checkpoint at
+    each (DIR/a, checkpoints in DIR/ck), for the resume tests to share. Read it; copy DIR/ck to change it."""
+    import sys
+
+    base = tmp_path_factory.mktemp("saved-run")
+    run = [sys.executable, "-m", "infinity", "train", *SAVED_RUN, "--nvme-path", str(base)]
+    full = subprocess.run(run + ["--steps", "4", "--out", str(base / "full")], capture_output=True, text=True,
+                          timeout=300)
+    assert full.returncode == 0, full.stderr
+    first = subprocess.run(run + ["--steps", "2", "--save-dir", str(base / "ck"), "--save-every", "1", "--out",
+                                  str(base / "a")], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    return base

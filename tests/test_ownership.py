@@ -26,6 +26,16 @@ def train(*args, timeout=300):
     return subprocess.run(INFINITY + ["train", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def train_here(capsys, *args) -> tuple[int, str, str]:
+    """`infinity train` in this process (no interpreter start-up): its exit code, stdout and stderr."""
+    from infinity.tools.cli import main
+
+    capsys.readouterr()
+    rc = main(["train", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
 def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -114,73 +124,61 @@ def test_two_runs_cannot_save_into_one_directory(tmp_path, disk_dir):
         first.communicate()
 
 
-COMMON = ["--model", "gpt-tiny", "--warmup", "3", "--lr", "1e-3"]
+from tests.conftest import SAVED_RUN as COMMON  # the saved_run fixture's arguments
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """One run's checkpoints at steps 1 and 2 (of 4), and the uninterrupted run's losses, shared by the resume
-    tests (each copies the directory)."""
-    base = tmp_path_factory.mktemp("saved")
-    full = train(*COMMON, "--steps", "4", "--nvme-path", str(base), "--out", str(base / "full"))
-    assert full.returncode == 0, full.stderr
-    first = train(*COMMON, "--steps", "2", "--save-dir", str(base / "ck"), "--save-every", "1", "--nvme-path",
-                  str(base), "--out", str(base / "a"))
-    assert first.returncode == 0, first.stderr
-    return base
-
-
-def _copy(saved, tmp_path):
+def _copy(saved_run, tmp_path):
     import shutil
 
-    shutil.copytree(saved / "ck", tmp_path / "ck")
+    shutil.copytree(saved_run / "ck", tmp_path / "ck")
     return tmp_path / "ck"
 
 
-def test_resume_without_latest_takes_the_newest_complete_checkpoint(saved, tmp_path, disk_dir):
+def test_resume_without_latest_takes_the_newest_complete_checkpoint(saved_run, tmp_path, disk_dir, capsys):
     """Probe finding 3: with `latest` gone (ENOSPC while writing it, a crash between rename and write) --resume
     retrained from step 0 over complete checkpoints."""
-    ck = _copy(saved, tmp_path)
+    ck = _copy(saved_run, tmp_path)
     (ck / "latest").unlink()
     (ck / "latest.tmp").write_text("global_st")  # what a write cut short leaves
-    second = train(*COMMON, "--steps", "4", "--save-dir", str(ck), "--resume", "--nvme-path", str(disk_dir),
-                   "--out", str(tmp_path / "b"))
-    assert second.returncode == 0, second.stderr
+    rc, out, err = train_here(capsys, *COMMON, "--steps", "4", "--save-dir", str(ck), "--resume", "--nvme-path",
+                              str(disk_dir), "--out", str(tmp_path / "b"))
+    assert rc == 0, err
     assert (f"--resume: {ck} has no 'latest' file (a save killed or out of space while writing it, or the file "
-            "removed); resuming from the newest complete checkpoint, global_step2") in second.stdout
-    assert "resumed from" in second.stdout and "at step 2" in second.stdout
-    losses = [r["loss"] for r in metrics(saved / "a") + metrics(tmp_path / "b")]
-    assert losses == [r["loss"] for r in metrics(saved / "full")]
+            "removed); resuming from the newest complete checkpoint, global_step2") in out
+    assert "resumed from" in out and "at step 2" in out
+    losses = [r["loss"] for r in metrics(saved_run / "a") + metrics(tmp_path / "b")]
+    assert losses == [r["loss"] for r in metrics(saved_run / "full")]
 
 
-def test_resume_over_only_broken_checkpoints_raises_and_never_restarts(tmp_path, disk_dir):
+def test_resume_over_only_broken_checkpoints_raises_and_never_restarts(tmp_path, disk_dir, capsys):
     ck = tmp_path / "ck"
     (ck / ".global_step3.partial").mkdir(parents=True)
     (ck / "global_step2").mkdir()  # no zarr.json: its save never completed
-    out = train("--model", "gpt-tiny", "--steps", "2", "--save-dir", str(ck), "--resume", "--nvme-path",
-                str(disk_dir), "--out", str(tmp_path / "b"))
-    assert out.returncode == 2
+    rc, out, err = train_here(capsys, "--model", "gpt-tiny", "--steps", "2", "--save-dir", str(ck), "--resume",
+                              "--nvme-path", str(disk_dir), "--out", str(tmp_path / "b"))
+    assert rc == 2
     assert (f"--resume: {ck} has no complete checkpoint to resume from: .global_step3.partial (an interrupted "
-            f"save); global_step2 (checkpoint {ck}/global_step2 is partial") in out.stderr
+            f"save); global_step2 (checkpoint {ck}/global_step2 is partial") in err
     assert not (tmp_path / "b" / "metrics.jsonl").exists()
-    empty = train("--model", "gpt-tiny", "--steps", "1", "--save-dir", str(tmp_path / "new"), "--resume",
-                  "--nvme-path", str(disk_dir), "--out", str(tmp_path / "c"))
-    assert empty.returncode == 0 and "no checkpoint in" in empty.stdout and "starting at step 0" in empty.stdout
+    rc, out, err = train_here(capsys, "--model", "gpt-tiny", "--steps", "1", "--save-dir", str(tmp_path / "new"),
+                              "--resume", "--nvme-path", str(disk_dir), "--out", str(tmp_path / "c"))
+    assert rc == 0 and "no checkpoint in" in out and "starting at step 0" in out
 
 
-def test_resume_refuses_another_runs_checkpoint_unless_told(saved, tmp_path, disk_dir):
+def test_resume_refuses_another_runs_checkpoint_unless_told(saved_run, tmp_path, disk_dir, capsys):
     """A checkpoint records its run (--lr, --warmup, the config's bytes): --resume with others is refused,
     naming them, and --resume-changed continues it."""
-    ck = _copy(saved, tmp_path)
+    ck = _copy(saved_run, tmp_path)
     other = [a if a != "1e-3" else "3e-4" for a in COMMON] + ["--nvme-path", str(disk_dir)]
-    refused = train(*other, "--steps", "4", "--save-dir", str(ck), "--resume", "--out", str(tmp_path / "b"))
-    assert refused.returncode == 2
+    rc, out, err = train_here(capsys, *other, "--steps", "4", "--save-dir", str(ck), "--resume", "--out",
+                              str(tmp_path / "b"))
+    assert rc == 2
     assert (f"--resume: {ck}/global_step2 belongs to another run: it was saved with lr 0.001 (now 0.0003); resume "
-            "with the same settings, or pass --resume-changed to continue it with these") in refused.stderr
-    told = train(*other, "--steps", "3", "--save-dir", str(ck), "--resume", "--resume-changed",
-                 "--out", str(tmp_path / "c"))
-    assert told.returncode == 0, told.stderr
-    assert "at step 2" in told.stdout and metrics(tmp_path / "c")[0]["lr"] != metrics(saved / "a")[-1]["lr"]
+            "with the same settings, or pass --resume-changed to continue it with these") in err
+    rc, out, err = train_here(capsys, *other, "--steps", "3", "--save-dir", str(ck), "--resume", "--resume-changed",
+                              "--out", str(tmp_path / "c"))
+    assert rc == 0, err
+    assert "at step 2" in out and metrics(tmp_path / "c")[0]["lr"] != metrics(saved_run / "a")[-1]["lr"]
 
 
 def test_a_failed_write_of_latest_names_it_and_leaves_the_previous_one(tiny_fs):

@@ -27,7 +27,8 @@ def launch(nproc: int, argv: list[str]) -> int:
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   INFINITY_LAUNCHER_PID=str(os.getpid()))  # [Note: ranks die with their launcher] in train.py
         procs.append(subprocess.Popen([sys.executable, "-m", "infinity", *argv], env=env))
     interrupted = False
     failed_at = None

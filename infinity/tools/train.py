@@ -309,6 +309,30 @@ def _with_batch(cfg, micro: int, accum: int):
                                train_batch_size=None)
 
 
+def _die_with_launcher() -> None:
+    """[Note: ranks die with their launcher]
+    A rank started by `--nproc` or torchrun outlived a launcher killed with -9: it went on training and
+    saving (into a --save-dir a new run may then share) with nobody to stop it. On Linux each rank asks the
+    kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG), which the rank turns into the orderly stop
+    of a Ctrl-C: one line, swap files removed, exit 143. A launcher that died before the request took effect
+    is caught by comparing the parent with the one the launcher named (INFINITY_LAUNCHER_PID) or, under
+    torchrun, with init's."""
+    if not sys.platform.startswith("linux") or "LOCAL_RANK" not in os.environ:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        print(f"infinity train: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(err)}); this rank will not stop "
+              "by itself if its launcher is killed", file=sys.stderr, flush=True)
+        return
+    launcher = os.environ.get("INFINITY_LAUNCHER_PID")
+    if os.getppid() == 1 or (launcher is not None and str(os.getppid()) != launcher):
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher is already gone
+
+
 def _train(args, out: Path, nvme: str) -> int:
     import torch
 
@@ -318,6 +342,7 @@ def _train(args, out: Path, nvme: str) -> int:
     from infinity.memory_stats import PeakSampler, rss_bytes
     from infinity.models import build_model
 
+    _die_with_launcher()
     src = fmodel.resolve(args.model)
     if src.kind == "preset" and (args.data or args.lora or args.eval_data or args.tokenizer):
         raise ValueError(f"--model {args.model} is a preset of the repo's GPT, which reads bytes and has no tokenizer; "

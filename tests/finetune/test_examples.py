@@ -71,7 +71,7 @@ def test_bench_finetune_smoke(tmp_path):
     import json
 
     out = subprocess.run([sys.executable, "-m", "infinity", "bench", "finetune", "--dir", str(tmp_path), "--corpus-mb",
-                          "2", "--layers", "1", "--hidden", "64", "--steps", "2", "--seq", "64", "--json"],
+                          "1", "--layers", "1", "--hidden", "64", "--steps", "2", "--seq", "64", "--json"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
