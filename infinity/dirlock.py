@@ -31,9 +31,20 @@ import weakref
 OWNER = "owner.pid"
 RETRY_S = 0.2  # how long a claimer retries a lock that may be a probe's, not an owner's
 
+_NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+_said_no_flock: set = set()
 _held: dict[str, list] = {}  # realpath of a reentrant directory -> [fd, count]
 _held_lock = threading.Lock()
 _live: "weakref.WeakSet" = weakref.WeakSet()  # released at exit (a script's engine is often never closed)
+
+
+def _say_no_flock(directory: str, err: int) -> None:
+    import warnings
+
+    if directory not in _said_no_flock:
+        _said_no_flock.add(directory)
+        warnings.warn(f"infinity: {directory} is on a filesystem without flock ({os.strerror(err)}), so another "
+                      "run using it cannot be detected; give each run its own directory", stacklevel=4)
 
 
 class DirectoryInUse(RuntimeError):
@@ -51,6 +62,7 @@ class DirLock:
         self.path = os.path.join(self.directory, OWNER)
         self.reentrant = reentrant
         self._fd: int | None = None
+        self._pid = os.getpid()  # a forked child inherits the fd, not the ownership
         if reentrant:
             with _held_lock:
                 entry = _held.get(self.directory)
@@ -59,10 +71,12 @@ class DirLock:
                     self._fd = entry[0]
                     return
                 self._fd = self._acquire(what, fix)
-                _held[self.directory] = [self._fd, 1]
+                if self._fd is not None:
+                    _held[self.directory] = [self._fd, 1]
         else:
             self._fd = self._acquire(what, fix)
-        _live.add(self)
+        if self._fd is not None:
+            _live.add(self)
 
     def _acquire(self, what: str, fix: str) -> int:
         deadline = time.monotonic() + RETRY_S
@@ -76,6 +90,9 @@ class DirLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 os.close(fd)
+                if exc.errno in _NO_FLOCK:  # Lustre without -o flock, some FUSE and object-store mounts
+                    _say_no_flock(self.directory, exc.errno)
+                    return None
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise OSError(exc.errno, f"cannot lock {self.path}: {os.strerror(exc.errno)}") from None
                 if time.monotonic() < deadline:
@@ -102,6 +119,7 @@ class DirLock:
 
     @property
     def held(self) -> bool:
+        """False where the filesystem has no flock (said once), or once released."""
         return self._fd is not None
 
     def release(self) -> None:
@@ -110,6 +128,9 @@ class DirLock:
         _live.discard(self)
         fd, self._fd = self._fd, None
         if fd is None:
+            return
+        if os.getpid() != self._pid:  # inherited through fork: the parent still owns it
+            os.close(fd)
             return
         if self.reentrant:
             with _held_lock:
@@ -121,7 +142,9 @@ class DirLock:
                     return
                 del _held[self.directory]
         try:  # still locked: a claimer that opened it meanwhile sees the name gone, and retries
-            os.unlink(self.path)
+            st, mine = os.stat(self.path), os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):  # not a newer owner's file
+                os.unlink(self.path)
         except FileNotFoundError:  # the owner removed the whole directory first
             pass
         os.close(fd)  # closing the only descriptor of the open file drops the flock
@@ -162,11 +185,26 @@ def read_pid(path: str) -> int:
 
 
 def _release_all() -> None:
+    """At exit, the reentrant ones (checkpoint directories: their owner.pid should not outlive the run). A swap
+    directory's lock stays until its swapper's close removes the directory (engine/lifetime.py closes them at
+    exit, after this runs): released first, a new run could claim the directory and lose its files to that
+    close. The kernel drops whatever is left with the process."""
     for lock in list(_live):
-        try:
-            lock.release()
-        except Exception:  # noqa: BLE001 - exiting; the kernel drops the locks with the process anyway
-            pass
+        if lock.reentrant:
+            try:
+                lock.release()
+            except Exception:  # noqa: BLE001 - exiting; the kernel drops the locks with the process anyway
+                pass
+
+
+def _forget_inherited() -> None:
+    """In a forked child: the parent's locks are the parent's. Their fds are closed here (the parent's own keep
+    the flock), so a claim in the child is a claim of its own."""
+    _held.clear()
+    for lock in list(_live):
+        lock.release()  # closes the inherited fd only: the pid differs
+    _live.clear()
 
 
 atexit.register(_release_all)
+os.register_at_fork(after_in_child=_forget_inherited)

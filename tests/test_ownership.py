@@ -85,6 +85,37 @@ def test_a_save_directory_is_one_live_process_s(tmp_path):
     assert (ck / "latest").read_text().strip() == "again"
 
 
+def test_a_lock_is_not_the_childs_after_fork_and_a_release_removes_only_its_own_file(tmp_path):
+    """A forked child inherits the fd, not the ownership: its release leaves the parent's lock and file, and
+    its own claim is refused. And a release never unlinks an owner.pid that is not its own."""
+    d = tmp_path / "d"
+    lock = DirLock(d, what="test", fix="fix it", reentrant=True)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without atexit
+        ok = True
+        try:
+            DirLock(d, what="test", fix="fix it", reentrant=True)
+            ok = False
+        except DirectoryInUse:
+            pass
+        lock.release()
+        ok = ok and (d / "owner.pid").exists()
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1", "the child could claim it, or its release removed the parent's lock file"
+    assert probe(d) is True and lock.held
+    lock.release()
+    assert not (d / "owner.pid").exists()
+    a = DirLock(d, what="test", fix="")
+    os.unlink(d / "owner.pid")
+    b = DirLock(d, what="test", fix="")  # a newer owner (a's file was removed under it)
+    a.release()
+    assert (d / "owner.pid").exists() and probe(d) is True, "a's release left b's file alone"
+    b.release()
+
+
 def test_a_lock_whose_file_the_owner_removed_is_taken_on_a_fresh_file(tmp_path):
     """The owner may remove the directory while it holds the lock (a swapper's close): a claimer that opened the
     old owner.pid locks a dead file, sees it, and claims a new one."""
@@ -151,18 +182,26 @@ def test_resume_without_latest_takes_the_newest_complete_checkpoint(saved_run, t
 
 
 def test_resume_over_only_broken_checkpoints_raises_and_never_restarts(tmp_path, disk_dir, capsys):
+    """A checkpoint that is there but unusable raises, naming it; interrupted saves (never resumable) and
+    directories that are not checkpoints start at step 0, saying so."""
     ck = tmp_path / "ck"
     (ck / ".global_step3.partial").mkdir(parents=True)
-    (ck / "global_step2").mkdir()  # no zarr.json: its save never completed
+    (ck / ".ipynb_checkpoints").mkdir()
+    (ck / "global_step2").mkdir()
+    (ck / "global_step2" / "zarr.json").write_text("{")  # damaged
     rc, out, err = train_here(capsys, "--model", "gpt-tiny", "--steps", "2", "--save-dir", str(ck), "--resume",
                               "--nvme-path", str(disk_dir), "--out", str(tmp_path / "b"))
     assert rc == 2
-    assert (f"--resume: {ck} has no complete checkpoint to resume from: .global_step3.partial (an interrupted "
-            f"save); global_step2 (checkpoint {ck}/global_step2 is partial") in err
+    assert (f"--resume: {ck} has no usable checkpoint to resume from: global_step2 (checkpoint {ck}/global_step2 "
+            "is corrupted") in err
     assert not (tmp_path / "b" / "metrics.jsonl").exists()
-    rc, out, err = train_here(capsys, "--model", "gpt-tiny", "--steps", "1", "--save-dir", str(tmp_path / "new"),
-                              "--resume", "--nvme-path", str(disk_dir), "--out", str(tmp_path / "c"))
-    assert rc == 0 and "no checkpoint in" in out and "starting at step 0" in out
+    (ck / "global_step2" / "zarr.json").unlink()
+    (ck / "global_step2").rmdir()
+    rc, out, err = train_here(capsys, "--model", "gpt-tiny", "--steps", "1", "--save-dir", str(ck), "--resume",
+                              "--nvme-path", str(disk_dir), "--out", str(tmp_path / "c"))
+    assert rc == 0, err
+    assert (f"--resume: no checkpoint in {ck} yet (only interrupted saves, .global_step3.partial, which the next "
+            "save removes); starting at step 0") in out
 
 
 def test_resume_refuses_another_runs_checkpoint_unless_told(saved_run, tmp_path, disk_dir, capsys):

@@ -168,7 +168,14 @@ def test_the_default_swap_dirs_of_killed_runs_are_reclaimed(tmp_path):
         d.mkdir(parents=True)
         (d / "x.swp").write_bytes(b"x" * 4096)
     live = DirLock(mine, what="test", fix="")  # a live run holds its lock; a killed one's owner.pid is unlocked
-    (gone / "owner.pid").write_text(str(os.getpid()))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (gone / "owner.pid").write_text(str(dead.pid))
+    # Unlocked but naming a live process: the moment between a claimer's open and its flock, or a run of a
+    # version that wrote no lock. Kept.
+    claiming = tmp_path / "infinity-train.claiming" / "infinity-swap" / "rank0"
+    claiming.mkdir(parents=True)
+    (claiming / "owner.pid").write_text(str(os.getpid()))
     empty_old = tmp_path / "infinity-train.early"
     empty_old.mkdir()
     os.utime(empty_old, (time.time() - 7200, time.time() - 7200))
@@ -176,8 +183,8 @@ def test_the_default_swap_dirs_of_killed_runs_are_reclaimed(tmp_path):
     other = tmp_path / "someone-else"
     other.mkdir()
     _reclaim_dead_runs(str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["infinity-train.fresh", "infinity-train.live",
-                                                          "someone-else"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["infinity-train.claiming", "infinity-train.fresh",
+                                                          "infinity-train.live", "someone-else"]
     assert (mine / "x.swp").exists(), "a live run's swap files are untouched"
     live.release()
 

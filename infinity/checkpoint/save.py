@@ -271,7 +271,7 @@ def crash_point(name: str) -> None:
 
 
 def save(engine, directory, tag: str | None = None, client_state=None, *, save_latest: bool = True,
-         exclude_frozen: bool = False) -> str:
+         exclude_frozen: bool = False, own_dir: bool = True) -> str:
     """See Engine.save_checkpoint."""
     comm, store, opt = engine.comm, engine.store, engine.optimizer
     rank = comm.rank
@@ -302,7 +302,8 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
         os.makedirs(directory, exist_ok=True)
         if not os.access(directory, os.W_OK):
             raise PermissionError(f"save_checkpoint: {directory} is not writable")
-        engine.own_save_dir(directory)  # before anything in it is touched
+        if own_dir:
+            engine.own_save_dir(directory)  # before anything in it is touched
         for name in os.listdir(directory):  # saves that were killed (one save into a directory at a time)
             if name.startswith(".") and (name.endswith(PARTIAL_SUFFIX) or name.endswith(PARTIAL_SUFFIX + ".old")):
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)

@@ -347,7 +347,7 @@ class Engine(ModuleSurface):
                                                "save directory (--save-dir)")
 
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> str:
+                        exclude_frozen_parameters: bool = False, *, own_dir: bool = True) -> str:
         """Write every rank's fp32 master weights, Adam moments, frozen weights, the step counters, loss scaler,
         lr scheduler, RNG states, buffers and `client_state` as the zarr store save_dir/<tag> (default tag
         global_step<N>), then (save_latest) point save_dir/latest at it. Call it on every rank, after
@@ -357,12 +357,15 @@ class Engine(ModuleSurface):
         exactly, else pickled, and load_checkpoint unpickles it as torch.load(weights_only=False) would: load
         only checkpoints you trust. exclude_frozen_parameters leaves the frozen (requires_grad=False) weights
         out, as DeepSpeed's does for PEFT: a load keeps the model's own values for them, so build the model
-        from the same base weights before loading. Returns the checkpoint's path."""
+        from the same base weights before loading. own_dir (default) holds save_dir for this engine until close
+        (own_save_dir), so that another run saving there is refused instead of mixing its checkpoints with
+        these; InfinityTrainer passes False for the checkpoint-N folders, which are the Trainer's to manage
+        and upload. Returns the checkpoint's path."""
         self._check_open()
         from infinity.checkpoint.save import save
 
         return save(self, save_dir, tag, client_state, save_latest=save_latest,
-                    exclude_frozen=exclude_frozen_parameters)
+                    exclude_frozen=exclude_frozen_parameters, own_dir=own_dir)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -284,7 +284,8 @@ class ParamStore:
         if param.dtype == torch.float64:  # it would be gathered in the compute dtype, its master kept in fp32
             raise ValueError(f"infinity: parameter {name} is float64; the engine keeps fp32 master weights and "
                              "computes in fp32, bf16 or fp16, so its float64 values would silently become float32: "
-                             "cast the model to float32 (model.float()) before zero_init / initialize")
+                             "cast the model to float32 (model.float()) before initialize, or build it under "
+                             "zero_init with torch.float32 as the default dtype")
         if param.is_meta:
             raise ValueError(f"infinity: parameter {name} is on the meta device, so it has no values to partition; "
                              "zero_init builds real values one module at a time, so build the model without "

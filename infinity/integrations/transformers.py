@@ -216,7 +216,7 @@ class InfinityTrainer(Trainer):
     # ------------------------------------------------------------ checkpoints
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self._engine.save_checkpoint(output_dir, tag=ENGINE_DIR, save_latest=False)
+        self._engine.save_checkpoint(output_dir, tag=ENGINE_DIR, save_latest=False, own_dir=False)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 

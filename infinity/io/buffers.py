@@ -71,6 +71,7 @@ def aligned_empty(nbytes: int, alignment: int = 4096, *, pin: bool | None = None
     config (DeepSpeed's buffer_size of 1e8 elements, 2 GB for 5 buffers) then
     costs the bytes its shards use, not its whole size, and no seconds of
     zeroing up front; unmapped when the tensor and its views are gone.
+    Page-locking (CUDA) makes every page resident, as it must.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"aligned_empty: nbytes must be an int >= 0, got {nbytes!r}")
@@ -79,7 +80,7 @@ def aligned_empty(nbytes: int, alignment: int = 4096, *, pin: bool | None = None
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     if nbytes >= LAZY_BYTES and alignment <= mmap.PAGESIZE:
-        owner = mmap.mmap(-1, nbytes)  # page-aligned, so aligned to any smaller power of two
+        owner = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # page-aligned: any smaller alignment holds
         tensor = torch.frombuffer(owner, dtype=torch.uint8)
     elif native is not None:
         owner = native.AlignedBuffer(nbytes, alignment)

@@ -162,8 +162,14 @@ def _reclaim_dead_runs(base: str) -> None:
     """Remove the default swap directories of earlier runs that were killed (kill -9, the OOM killer), which
     nothing else would: each swapper holds a lock on its directory's owner.pid while it lives ([Note:
     directories are owned through flock] in infinity/dirlock.py), and a run directory none of whose locks is
-    held is removed. One without any owner.pid (killed before its first swapper) goes after an hour."""
-    from infinity.dirlock import probe
+    held, and whose owners' processes are gone, is removed (the pid guards the moment between a claimer's
+    open and its lock, and runs of versions that wrote no lock). One without any owner.pid (killed before
+    its first swapper) goes after an hour."""
+    from infinity.dirlock import probe, read_pid
+
+    def dead(root: str) -> bool:
+        pid = read_pid(os.path.join(root, "owner.pid"))
+        return probe(root) is False and not (pid and _alive(pid))
 
     try:
         names = [n for n in os.listdir(base) if n.startswith("infinity-train.")]
@@ -171,14 +177,25 @@ def _reclaim_dead_runs(base: str) -> None:
         return
     for name in names:
         path = os.path.join(base, name)
-        owned = [probe(root) for root, _, files in os.walk(path) if "owner.pid" in files]
+        owners = [root for root, _, files in os.walk(path) if "owner.pid" in files]
         try:
-            stale = (owned and not any(owned)) or (not owned and time.time() - os.stat(path).st_mtime > 3600)
+            stale = (owners and all(dead(r) for r in owners)) or (
+                not owners and time.time() - os.stat(path).st_mtime > 3600)
         except OSError:
             continue
         if stale:
             shutil.rmtree(path, ignore_errors=True)
             print(f"infinity train: removed {path}, the swap files of a run that was killed", flush=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Terminated(KeyboardInterrupt):
@@ -316,30 +333,29 @@ def _die_with_launcher() -> None:
     kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG), which the rank turns into the orderly stop
     of a Ctrl-C: one line, swap files removed, exit 143. A launcher that died before the request took effect
     is caught by comparing the parent with the one the launcher named (INFINITY_LAUNCHER_PID) or, under
-    torchrun, with init's."""
+    torchrun, with the parent seen just before the request. (A launcher may be pid 1, in a container; and the
+    signal comes when the thread that spawned the rank exits, which for torchrun and ours is the main one.)"""
     if not sys.platform.startswith("linux") or "LOCAL_RANK" not in os.environ:
         return
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     pr_set_pdeathsig = 1
+    parent = os.environ.get("INFINITY_LAUNCHER_PID") or str(os.getppid())
     if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         print(f"infinity train: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(err)}); this rank will not stop "
               "by itself if its launcher is killed", file=sys.stderr, flush=True)
         return
-    launcher = os.environ.get("INFINITY_LAUNCHER_PID")
-    if os.getppid() == 1 or (launcher is not None and str(os.getppid()) != launcher):
+    if str(os.getppid()) != parent:
         os.kill(os.getpid(), signal.SIGTERM)  # the launcher is already gone
 
 
 def _train(args, out: Path, nvme: str) -> int:
     import torch
 
-    from infinity.engine import initialize, zero_init
     from infinity.engine.comm import init_distributed
     from infinity.finetune import model as fmodel
-    from infinity.memory_stats import PeakSampler, rss_bytes
     from infinity.models import build_model
 
     _die_with_launcher()
@@ -378,6 +394,41 @@ def _train(args, out: Path, nvme: str) -> int:
         cfg = _sized_config(args, nvme, largest)
     cfg = _with_batch(_with_lr(args, cfg), micro, accum)
     comm = init_distributed(cfg.infinity.comm_timeout_s)
+    claim = _claim_save_dir(args, comm)
+    try:
+        return _train_owning(args, out, nvme, src, cfg, comm, planned, seq, vocab, micro, accum)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def _claim_save_dir(args, comm):
+    """Rank 0 owns --save-dir from before the model is built ([Note: directories are owned through flock]): a
+    second run into it stops here, in seconds, not after loading its model or at its first save. The engine
+    holds it too from its first save (the same process: reentrant) until it closes."""
+    if not args.save_dir:
+        return None
+    from infinity.checkpoint.save import together
+    from infinity.dirlock import DirLock
+
+    def claim():
+        if comm.rank == 0:
+            return DirLock(args.save_dir, what="the checkpoint directory", reentrant=True,
+                           fix="another run saves its checkpoints there; give each run its own save directory "
+                               "(--save-dir)")
+        return None
+
+    return together(comm, "claim of --save-dir", claim)
+
+
+def _train_owning(args, out, nvme, src, cfg, comm, planned, seq, vocab, micro, accum) -> int:
+    import torch
+
+    from infinity.engine import initialize, zero_init
+    from infinity.finetune import model as fmodel
+    from infinity.memory_stats import PeakSampler, rss_bytes
+    from infinity.models import build_model
+
     baseline = baseline_rss()
     if planned is not None and comm.rank == 0:
         _write_plan(out, planned, baseline)
@@ -478,7 +529,7 @@ def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, bas
                        "seq": seq, "steps": steps, "param_tier": str(engine.store.tier),
                        "optimizer_tier": str(engine.optimizer.tier), "baseline_rss_bytes": baseline,
                        "swap_bytes_after_setup": _dir_bytes(nvme), "load": load}, f, indent=2)
-    if args.save_dir:  # before training: a second run into the same --save-dir stops here, not at its first save
+    if args.save_dir:  # the engine holds it too, until it closes (re-entering the run's claim)
         from infinity.checkpoint.save import together
 
         together(engine.comm, "claim of --save-dir", lambda: engine.own_save_dir(args.save_dir))
@@ -567,7 +618,8 @@ def _resume(args, engine, seq: int, rank: int) -> int:
     tag, why = _resume_tag(args.save_dir)
     if tag is None:
         if rank == 0:
-            print(f"--resume: no checkpoint in {args.save_dir} yet; starting at step 0", flush=True)
+            print(f"--resume: no checkpoint in {args.save_dir} yet" + (f" ({why})" if why else "")
+                  + "; starting at step 0", flush=True)
         return 0
     if why and rank == 0:
         print(f"--resume: {why}", flush=True)
@@ -593,10 +645,10 @@ def _resume(args, engine, seq: int, rank: int) -> int:
 
 
 def _resume_tag(save_dir: str) -> tuple[str | None, str | None]:
-    """The checkpoint --resume loads: the one `latest` names; without `latest` (a save killed while writing it,
-    ENOSPC there, or a deleted file), the newest complete checkpoint, with a line saying so. (None, None) for
-    a directory with no checkpoint at all. Never a silent restart over checkpoints: a directory holding only
-    unusable ones raises, naming them."""
+    """(tag, why): the checkpoint --resume loads, the one `latest` names; without `latest` (a save killed while
+    writing it, ENOSPC there, or a deleted file), the newest complete checkpoint, `why` saying so. tag None for
+    a directory with no checkpoint (interrupted saves, `.<tag>.partial`, are none: `why` names them). Never a
+    silent restart over checkpoints: a directory whose only checkpoints are unusable raises, naming them."""
     from infinity.checkpoint.layout import CheckpointError, read_latest
     from infinity.checkpoint.load import resolve
 
@@ -605,13 +657,15 @@ def _resume_tag(save_dir: str) -> tuple[str | None, str | None]:
         return tag, None
     if not os.path.isdir(save_dir):
         return None, None
-    complete, broken = [], []
+    complete, broken, partial = [], [], []
     for name in sorted(os.listdir(save_dir)):
         if not os.path.isdir(os.path.join(save_dir, name)):
             continue
-        if name.startswith("."):  # .<tag>.partial: a save that was interrupted
-            broken.append(f"{name} (an interrupted save)")
+        if name.startswith(".") and name.endswith(".partial"):  # a save that was interrupted: never resumable
+            partial.append(name)
             continue
+        if not os.path.exists(os.path.join(save_dir, name, "zarr.json")):
+            continue  # not a checkpoint (a save writes the root zarr.json before the directory gets its name)
         try:
             _, m = resolve(save_dir, name)
         except (CheckpointError, ValueError) as exc:
@@ -622,10 +676,11 @@ def _resume_tag(save_dir: str) -> tuple[str | None, str | None]:
         newest = max(complete)[2]
         return newest, (f"{save_dir} has no 'latest' file (a save killed or out of space while writing it, or "
                         f"the file removed); resuming from the newest complete checkpoint, {newest}")
-    if broken or os.path.exists(os.path.join(save_dir, "latest.tmp")):
-        raise CheckpointError(f"--resume: {save_dir} has no complete checkpoint to resume from: "
-                              f"{'; '.join(broken) or 'only latest.tmp'}; remove them to start over, or point "
-                              "--save-dir at the right directory")
+    if broken:
+        raise CheckpointError(f"--resume: {save_dir} has no usable checkpoint to resume from: {'; '.join(broken)}; "
+                              "remove them to start over, or point --save-dir at the right directory")
+    if partial:
+        return None, f"only interrupted saves, {', '.join(partial)}, which the next save removes"
     return None, None
 
 

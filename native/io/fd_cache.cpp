@@ -84,9 +84,14 @@ std::shared_ptr<OpenFile> FdCache::get(const std::string& path, bool write, bool
     // next write then fails with ENOSPC although the space was "freed". So before opening another file
     // (the moment new space may be needed) the cache drops every entry whose file has no name left
     // (st_nlink 0); its fd closes once no request holds it. An fstat per cached fd, on misses only: a run's
-    // swap files fit the cache (1024), so misses are rare, and each costs an open(2) anyway.
-    std::lock_guard<std::mutex> lk(mu_);
-    drop_unlinked_locked();
+    // swap files fit the cache (1024), so misses are rare, and each costs an open(2) anyway. The dropped
+    // entries are let go after the lock: closing the last fd of a large removed file frees its blocks, which
+    // can take a while, and other threads' lookups must not wait for it.
+    std::vector<std::shared_ptr<OpenFile>> dropped;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      drop_unlinked_locked(&dropped);
+    }
   }
   std::shared_ptr<OpenFile> f = open_new(path, write, direct, err);
   if (!f || capacity_ == 0) return f;
@@ -105,12 +110,13 @@ std::shared_ptr<OpenFile> FdCache::get(const std::string& path, bool write, bool
   return f;
 }
 
-void FdCache::drop_unlinked_locked() {
+void FdCache::drop_unlinked_locked(std::vector<std::shared_ptr<OpenFile>>* dropped) {
   for (auto it = lru_.begin(); it != lru_.end();) {
     struct stat st;
     // A failed fstat (it cannot fail on an open fd short of EOVERFLOW) keeps the entry: get() re-checks
     // the path's identity before every reuse anyway.
     if (::fstat(it->file->fd, &st) == 0 && st.st_nlink == 0) {
+      dropped->push_back(std::move(it->file));
       index_.erase(it->key);
       it = lru_.erase(it);
     } else {

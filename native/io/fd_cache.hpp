@@ -32,6 +32,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "io_error.hpp"
 
@@ -84,7 +85,8 @@ class FdCache {
     std::shared_ptr<OpenFile> file;
   };
   std::shared_ptr<OpenFile> open_new(const std::string& path, bool write, bool direct, int* err);
-  void drop_unlinked_locked();  // mu_ held: entries whose file has no name left (see get())
+  // mu_ held: moves the entries whose file has no name left into *dropped (see get())
+  void drop_unlinked_locked(std::vector<std::shared_ptr<OpenFile>>* dropped);
 
   size_t capacity_;
   std::shared_ptr<CloseErrors> errors_;

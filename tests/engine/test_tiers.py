@@ -319,7 +319,7 @@ def test_a_float64_parameter_is_refused_by_name(tmp_path):
     must have the same dtype"."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2).double())
     with pytest.raises(ValueError, match=r"parameter 1\.weight is float64; .*cast the model to float32 "
-                                         r"\(model\.float\(\)\) before zero_init / initialize"):
+                                         r"\(model\.float\(\)\) before initialize, or build it under zero_init"):
         initialize(model, engine_config("cpu", str(tmp_path)))
     with initialize(model.float(), engine_config("cpu", str(tmp_path))) as e:
         assert e(torch.randn(3, 4)).shape == (3, 2)

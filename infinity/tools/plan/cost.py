@@ -424,9 +424,8 @@ def _config(base: dict | None, placement: Placement, sizing: PoolSizing, *, nvme
     """A complete swap config with DeepSpeed's keys; `base` (a config dict) supplies everything not planned."""
     cfg = json.loads(json.dumps(base or {}))
     cfg["train_micro_batch_size_per_gpu"] = micro
-    if grad_accum > 1:  # the run's accumulation (raised where the plan split the batch); the total follows
-        cfg["gradient_accumulation_steps"] = grad_accum
-        cfg.pop("train_batch_size", None)
+    if grad_accum > 1:  # the run's accumulation: raised where the plan split a default batch, which it does only
+        cfg["gradient_accumulation_steps"] = grad_accum  # when no batch key was written (train_batch_size stays)
     cfg["bf16"] = {"enabled": precision == "bf16"}
     cfg["fp16"] = dict(cfg.get("fp16", {}), enabled=precision == "fp16")
     zero = cfg.setdefault("zero_optimization", {})
