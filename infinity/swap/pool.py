@@ -98,6 +98,14 @@ class BufferPool:
             for i, buf in enumerate(self._buffers):
                 buf.tensor = self._view(i)
 
+    def prefault(self) -> None:
+        """Make every page of the pool resident (it is mapped lazily, see aligned_empty): for a measurement
+        that counts the pool as memory already held, not as growth when a buffer is first written."""
+        with self._cond:
+            for buf in self._buffers:
+                if buf.owner is None:
+                    buf.tensor.fill_(0)
+
     @property
     def nbytes(self) -> int:
         """Host memory the pool holds (its whole budget, allocated up front)."""
