@@ -175,6 +175,23 @@ def probe(directory) -> bool | None:
     return False
 
 
+def own_checkpoint_dir(directory) -> DirLock:
+    """This process's claim of a checkpoint directory (reentrant: the run and its engine hold it together)."""
+    return DirLock(directory, what="the checkpoint directory", reentrant=True,
+                   fix="another run saves its checkpoints there; give each run its own save directory (--save-dir)")
+
+
+def alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def read_pid(path: str) -> int:
     """The pid an owner.pid names; 0 when it is empty, unreadable or garbled."""
     try:

@@ -338,13 +338,11 @@ class Engine(ModuleSurface):
         no collective: a caller on every rank wraps it in one."""
         if self.comm.rank != 0:
             return
-        from infinity.dirlock import DirLock
+        from infinity.dirlock import own_checkpoint_dir
 
         key = os.path.realpath(os.fspath(directory))
         if key not in self._save_dirs:
-            self._save_dirs[key] = DirLock(key, what="the checkpoint directory", reentrant=True,
-                                           fix="another run saves its checkpoints there; give each run its own "
-                                               "save directory (--save-dir)")
+            self._save_dirs[key] = own_checkpoint_dir(key)
 
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, *, own_dir: bool = True) -> str:

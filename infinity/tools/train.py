@@ -165,11 +165,11 @@ def _reclaim_dead_runs(base: str) -> None:
     held, and whose owners' processes are gone, is removed (the pid guards the moment between a claimer's
     open and its lock, and runs of versions that wrote no lock). One without any owner.pid (killed before
     its first swapper) goes after an hour."""
-    from infinity.dirlock import probe, read_pid
+    from infinity.dirlock import alive, probe, read_pid
 
     def dead(root: str) -> bool:
         pid = read_pid(os.path.join(root, "owner.pid"))
-        return probe(root) is False and not (pid and _alive(pid))
+        return probe(root) is False and not (pid and alive(pid))
 
     try:
         names = [n for n in os.listdir(base) if n.startswith("infinity-train.")]
@@ -186,16 +186,6 @@ def _reclaim_dead_runs(base: str) -> None:
         if stale:
             shutil.rmtree(path, ignore_errors=True)
             print(f"infinity train: removed {path}, the swap files of a run that was killed", flush=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Terminated(KeyboardInterrupt):
@@ -409,16 +399,9 @@ def _claim_save_dir(args, comm):
     if not args.save_dir:
         return None
     from infinity.checkpoint.save import together
-    from infinity.dirlock import DirLock
+    from infinity.dirlock import own_checkpoint_dir
 
-    def claim():
-        if comm.rank == 0:
-            return DirLock(args.save_dir, what="the checkpoint directory", reentrant=True,
-                           fix="another run saves its checkpoints there; give each run its own save directory "
-                               "(--save-dir)")
-        return None
-
-    return together(comm, "claim of --save-dir", claim)
+    return together(comm, "claim of --save-dir", lambda: own_checkpoint_dir(args.save_dir) if comm.rank == 0 else None)
 
 
 def _train_owning(args, out, nvme, src, cfg, comm, planned, seq, vocab, micro, accum) -> int:
