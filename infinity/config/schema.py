@@ -204,6 +204,10 @@ class InfinityConfig:
     step_during_backward: bool = spec(True)
     """Step each optimizer sub-group as soon as its gradients are final, overlapping backward (off with
     gradient_clipping or fp16, which need every gradient first)."""
+    step_during_forward: bool = spec(True)
+    """With the step after backward (clipping, fp16) under ZeRO-3 and the optimizer on NVMe: step each sub-group
+    that holds no persistent parameter when the next forward first needs it, so the optimizer's I/O overlaps
+    that forward (see [Note: the step finishes in the next forward]). The same values either way."""
     comm_timeout_s: float = spec(300.0, low=1.0, high=86400.0)
     """Seconds a collective may wait for the other ranks before the job fails (a dead or hung rank)."""
 

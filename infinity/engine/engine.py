@@ -122,6 +122,7 @@ class Engine(ModuleSurface):
         self._param_written_mark = self._param_bytes_written()
         self._gathered_mark = store.bytes_gathered
         self._comm_mark = self.comm.time_s
+        self._deferred_mark = 0.0
         self._closed = False
         self._save_dirs: dict = {}  # realpath -> DirLock, rank 0's (own_save_dir)
         lifetime.track(self, remove_at_exit=cfg.infinity.remove_swap_at_exit)
@@ -164,12 +165,15 @@ class Engine(ModuleSurface):
         if not allreduce_gradients:
             raise ValueError("Engine.backward(allreduce_gradients=False): each gradient is reduce-scattered to its "
                              "owner rank as backward produces it, so the reduction cannot be skipped; drop it")
+        self.optimizer.settle()  # the last step's groups not yet needed by a forward
         scaled = loss.float() * (self.scaler.scale / (self.gas if scale_wrt_gas else 1))
         overlap = self._can_step_during_backward() and self._next_is_boundary() and not retain_graph
         if overlap:
             self.optimizer.begin_overlapped_step()
         else:
             self.optimizer.expect_step(False)
+            if self._next_is_boundary():
+                self.optimizer.read_ahead_for_step(defer=self._can_defer_step())
         if self.store.scheduler is not None:
             self.store.scheduler.backward_begins()
         try:
@@ -179,7 +183,8 @@ class Engine(ModuleSurface):
             if overlap:
                 self._overlapped = self.optimizer.end_overlapped_step()
         finally:
-            self.optimizer.cancel_overlapped_step()  # a no-op after end_overlapped_step
+            if overlap:
+                self.optimizer.cancel_overlapped_step()  # a no-op after end_overlapped_step
         self.micro_steps += 1
         if self.store.scheduler is not None:
             self._fetch_stats.append(self.store.scheduler.drain())
@@ -189,6 +194,15 @@ class Engine(ModuleSurface):
         """See [Note: stepping during backward] in optimizer.py."""
         return (self.config.infinity.step_during_backward and self.config.gradient_clipping == 0
                 and not self.config.fp16.enabled)
+
+    def _can_defer_step(self) -> bool:
+        """See [Note: the step finishes in the next forward] in deferred.py: ZeRO-3 (every parameter a shard read
+        through the store) with optimizer state on NVMe, and shards that are either the optimizer files' (alias
+        mode) or in memory."""
+        store = self.store
+        return (self.config.infinity.step_during_forward and store.stage == 3
+                and any(g.state.io_bytes for g in self.optimizer.groups)
+                and (store.alias is not None or store.tier is not Tier.NVME))
 
     def _next_is_boundary(self) -> bool:
         """Will the backward about to run end an accumulation cycle?"""
@@ -291,7 +305,8 @@ class Engine(ModuleSurface):
         else:
             with self._span("optimizer step"):
                 overflow, norm, stats = self.optimizer.step(loss_scale=self.scaler.scale,
-                                                            max_norm=self.config.gradient_clipping)
+                                                            max_norm=self.config.gradient_clipping,
+                                                            defer=self._can_defer_step())
         self.scaler.update(overflow)
         self.optimizer.overflow = overflow
         if overflow:
@@ -308,7 +323,7 @@ class Engine(ModuleSurface):
             grad_norm=norm, step_s=t1 - self._t_last, optimizer_s=t1 - t0,
             param_fetches=sum(s.fetches for s in fs), prefetch_hits=sum(s.hits for s in fs),
             param_lent=sum(s.lent for s in fs), param_stall_s=sum(s.stall_s for s in fs),
-            optimizer_io_wait_s=stats.io_wait_s,
+            optimizer_io_wait_s=stats.io_wait_s + self.optimizer.deferred_wait_s - self._deferred_mark,
             param_read_bytes=sum(s.bytes_read for s in fs), optimizer_read_bytes=stats.bytes_read,
             optimizer_write_bytes=stats.bytes_written,
             param_write_bytes=self._param_bytes_written() - self._param_written_mark,
@@ -316,6 +331,7 @@ class Engine(ModuleSurface):
             gathered_bytes=self.store.bytes_gathered - self._gathered_mark,
             comm_s=self.comm.time_s - self._comm_mark))
         self._comm_mark = self.comm.time_s
+        self._deferred_mark = self.optimizer.deferred_wait_s
         self._gathered_mark = self.store.bytes_gathered
         self._fetch_stats = []
         self._param_written_mark = self._param_bytes_written()

@@ -2,7 +2,7 @@
 
 The managed parameters' shards are packed, in registration order, into
 sub-groups of at most `zero_optimization.sub_group_size` elements (a larger
-parameter is a group of its own). A group is what the optimizer moves and
+parameter is a group of its own), the persistent ones first and apart. A group is what the optimizer moves and
 steps at once: one flat fp32 gradient buffer (the `grad` view of each
 ManagedParam points into it), and its master/exp_avg/exp_avg_sq, owned by a
 `GroupState` of the group's tier (infinity/swap/state.py: device memory,
@@ -34,7 +34,11 @@ parameter cannot be needed again after its gradient is final, so writing
 its new shard mid-backward is safe; a second gradient for a group already
 stepped (reentrant checkpointing that shares a parameter with code outside
 the checkpoint) is an error. With clipping or fp16, the step runs after
-backward, over all groups, from gradients kept in RAM.
+backward, over all groups, from gradients kept in RAM (under ZeRO-3 with
+NVMe state it is finished by the next forward: [Note: the step finishes in
+the next forward] in deferred.py). The states it takes first are read
+during backward (`read_ahead_for_step`) into the buffers beyond the one its
+walk needs, so backward lends from those as well.
 
 [Note: backward reads from the state]
 A parameter shard is the compute-dtype rounding of its master weight (the
@@ -107,6 +111,7 @@ import math
 import torch
 
 from infinity.engine.comm import Comm
+from infinity.engine.deferred import DeferredStep
 from infinity.engine.params import ParamStore
 from infinity.optim import grads_finite
 from infinity.swap.pipeline import Mode, StatePipeline
@@ -214,9 +219,12 @@ class ShardedAdam(torch.optim.Optimizer):
         self._overlap_sq = 0.0
         self._stepped_order: list[int] = []  # this step during backward's groups, in the order they stepped
         self._last_order: list[int] = []  # the last completed one's (see _read_ahead)
+        self._deferred: DeferredStep | None = None  # the rest of the last step, finished by the next forward
+        self.deferred_wait_s = 0.0  # what deferred steps made their callers wait, in all (the engine reports it)
         store.grad_for = self.grad_for
         store.grad_ready = self.grad_ready
         store.lend = self.lend
+        store.need = self.need
         self._init_state(off.ratio)
 
     @property
@@ -239,7 +247,9 @@ class ShardedAdam(torch.optim.Optimizer):
         groups = []
         for k, params in enumerate(param_groups):
             cur, size = [], 0
-            for mp in sorted(params, key=lambda mp: mp.index):
+            # Persistent parameters first, in groups of their own: a deferred step takes those at once ([Note:
+            # the step finishes in the next forward] in deferred.py).
+            for mp in sorted(params, key=lambda mp: (not mp.persistent, mp.index)):
                 if split and mp.part > sub_group_size:
                     if cur:
                         groups.append(_Group(len(groups), cur, k))
@@ -247,7 +257,7 @@ class ShardedAdam(torch.optim.Optimizer):
                     for lo in range(0, mp.part, piece):
                         groups.append(_Group(len(groups), [mp], k, span=(lo, min(mp.part, lo + piece))))
                     continue
-                if cur and size + mp.part > sub_group_size:
+                if cur and (size + mp.part > sub_group_size or cur[-1].persistent != mp.persistent):
                     groups.append(_Group(len(groups), cur, k))
                     cur, size = [], 0
                 cur.append(mp)
@@ -340,6 +350,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def grad_for(self, mp) -> torch.Tensor:
         """The fp32 gradient shard of `mp`, allocating its group's buffer on first use."""
+        if self._deferred is not None:
+            self.settle()
         groups = self.groups_of[id(mp)]
         if any(g.stepped for g in groups):
             raise RuntimeError(f"infinity: parameter {mp.name} received a gradient after its group was stepped; "
@@ -357,7 +369,7 @@ class ShardedAdam(torch.optim.Optimizer):
         [Note: backward reads from the state]): a future whose wait() gives a host view, or None. A fetch for
         backward (`backward`) of the step's backward starts the read Adam will use, if a buffer is free."""
         groups = self.groups_of.get(id(mp))
-        if groups is None or groups[0].split or groups[0].stepped:
+        if groups is None or groups[0].split or groups[0].stepped or self._deferred is not None:
             return None  # a split shard's master is in several states: its own read serves backward
         g = groups[0]
         if backward:
@@ -409,6 +421,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def forget_gradients(self) -> None:
         """Drop every gradient accumulated so far (they belong to a state that a checkpoint load replaced)."""
+        self.settle()
         for g in self.groups:
             g.grad = None
             for mp in g.params:
@@ -501,18 +514,69 @@ class ShardedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------ step after backward
 
     @torch.no_grad()
-    def step(self, closure=None, *, loss_scale: float = 1.0, max_norm: float = 0.0):
+    def step(self, closure=None, *, loss_scale: float = 1.0, max_norm: float = 0.0, defer: bool = False):
         """Unscale, check for overflow on every rank, clip to the global norm, step, publish.
 
-        Returns (overflowed, grad_norm, StepStats). An overflow anywhere skips the step everywhere.
+        Returns (overflowed, grad_norm, StepStats). An overflow anywhere skips the step everywhere. With
+        `defer`, the groups that hold no persistent parameter are stepped as the next forward needs them
+        ([Note: the step finishes in the next forward] in deferred.py).
         """
-        self.expect_step(False)
+        self.settle()
+        early, self._early = self._early, []  # read_ahead_for_step's reads: this walk's now
+        self._expecting = False
+        try:
+            result = self._step_after_backward(loss_scale, max_norm, defer)
+        except BaseException:
+            deferred, self._deferred, self.store.pending = self._deferred, None, None
+            if deferred is not None:
+                deferred.abandon()
+            for state in early:
+                state.abandon()
+            raise
+        if result[0]:  # skipped: nothing read the state
+            for state in early:
+                state.abandon()
+        return result
+
+    def read_ahead_for_step(self, *, defer: bool) -> None:
+        """Before the backward whose step runs after it: start reading the states that step takes first, into
+        free pool buffers beyond one (its walk's critical path needs one). The step adopts them; the next
+        forward drops them if no step came."""
+        now, later = self._walk_order(defer)
+        for g in now + later:
+            state = g.state
+            if state in self._early:
+                continue
+            state.prefetch(reserve=1)
+            if not state.ready():
+                return
+            if state.io_bytes:
+                self._early.append(state)
+
+    def _walk_order(self, defer: bool) -> tuple[list, list]:
+        """The groups the step after backward takes at once, and (defer) those it leaves to the next forward, in
+        the order forward first needs them ([Note: the step finishes in the next forward] in deferred.py)."""
+        if not defer:
+            return self.groups, []
+        now = [g for g in self.groups if any(mp.persistent for mp in g.params)]
+        # Forward's order: as the forwards so far first gathered them (a tied weight is registered where it was
+        # built, not where it is used first), else registration order.
+        first = self.store.first_use
+        later = sorted((g for g in self.groups if not any(mp.persistent for mp in g.params)),
+                       key=lambda g: (min(first.get(mp.index, math.inf) for mp in g.params),
+                                      min(mp.index for mp in g.params), g.index))
+        return now, later
+
+    def _step_after_backward(self, loss_scale: float, max_norm: float, defer: bool):
         grads = self._grads()
         flag = torch.tensor([0.0 if _finite(grads) else 1.0])
         if self.comm.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX).item() > 0:
             return True, float("inf"), StepStats(skipped=True)
-        # fp32 norms per group, summed in fp64: a fp64 norm would convert every gradient first.
-        sq = torch.tensor([sum(float(torch.linalg.vector_norm(g)) ** 2 for g in grads if g.numel())],
+        # fp32 norms per parameter shard, in registration order, summed in fp64 (a fp64 norm would convert every
+        # gradient first): the same bits however the shards are packed into sub-groups.
+        shards = {id(mp): mp for g in self.groups for mp in g.params}
+        sq = torch.tensor([sum(float(torch.linalg.vector_norm(mp.grad)) ** 2
+                               for mp in sorted(shards.values(), key=lambda mp: mp.index) if mp.grad.numel())],
                           dtype=torch.float64)
         norm = math.sqrt(self.comm.all_reduce_(sq).item()) / loss_scale
         coef = 1.0
@@ -521,10 +585,44 @@ class ShardedAdam(torch.optim.Optimizer):
         self.step_count += 1
         step = dict(step=self.step_count, grad_scale=loss_scale / coef)
         works = [self._adam_work(g, self.hyper_for(g, **step)) for g in self.groups]
-        stats = StatePipeline(Mode.UPDATE, trace=self.trace).over(self._states(), lambda i, views: works[i](views))
+        now, later = self._walk_order(defer)
+        stats = StatePipeline(Mode.UPDATE, trace=self.trace).over([g.state for g in now],
+                                                                  lambda i, views: works[now[i].index](views))
         self.store.flush()
         self.store.refresh_persistent()
+        if later:
+            self._deferred = DeferredStep(self, later, {g.index: works[g.index] for g in later}, stats,
+                                          wait_writes=self.store.alias is not None)
+            self.store.pending = self._deferred
+            self._deferred.poll()  # the first reads start now
         return False, norm, stats
+
+    def settle(self) -> None:
+        """Finish a deferred step (see [Note: the step finishes in the next forward]); a no-op without one."""
+        deferred = self._deferred
+        if deferred is None:
+            return
+        self._deferred = self.store.pending = None
+        try:
+            deferred.settle()
+        except BaseException:
+            deferred.abandon()
+            raise
+        self.deferred_wait_s += deferred.wait_s
+        self.store.flush()
+
+    def need(self, mp) -> None:
+        """Before a read of mp's shard: its deferred groups are finished (see [Note: the step finishes in the
+        next forward])."""
+        deferred = self._deferred
+        try:
+            deferred.need(mp)
+        except BaseException:
+            self._deferred = self.store.pending = None
+            deferred.abandon()
+            raise
+        if deferred.done and deferred.pipe.idle():
+            self.settle()
 
     def _adam_work(self, g: _Group, hyper: dict):
         """What the pipeline does with a group's state in a step: Adam, then the new weights to the store."""
@@ -575,6 +673,7 @@ class ShardedAdam(torch.optim.Optimizer):
         up to three pool buffers are held. State on an accelerator is staged
         one parameter at a time. Nothing here changes the state.
         """
+        self.settle()
         self.expect_step(False)
         StatePipeline(Mode.READ).over(self._states(),
                                       lambda i, views: self.groups[i].state.export(self.groups[i], views, use))
@@ -592,6 +691,7 @@ class ShardedAdam(torch.optim.Optimizer):
         has loaded). An error part-way leaves a mix of old and new groups:
         load_checkpoint verifies the whole checkpoint before it calls this.
         """
+        self.settle()
         self.expect_step(False)
         busy = [g.index for g in self.groups if not g.state.at_rest()]
         if busy:
@@ -609,15 +709,19 @@ class ShardedAdam(torch.optim.Optimizer):
             self.store.refresh_persistent()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
+        pending = self._deferred.pos if self._deferred is not None else {}
         for g in self.groups:
-            if g.grad is not None:
+            if g.grad is not None and g.index not in pending:  # a deferred group's is used, then dropped
                 g.grad.zero_()
         for group in self.groups:
             for mp in group.params:
                 mp.param.grad = None
 
     def close(self) -> None:
-        self.expect_step(False)
+        try:
+            self.settle()
+        finally:
+            self.expect_step(False)
         if self.swap is not None:
             self.swap.close()
             self.swap = None

@@ -263,6 +263,9 @@ class ParamStore:
         self.grad_for = None  # set by the optimizer: mp -> its fp32 gradient shard
         self.grad_ready = None  # set by the optimizer: called once mp's gradient of this backward is added
         self.lend = None  # set by the optimizer: mp -> its master weights from the group state, or None
+        self.pending = None  # the optimizer's DeferredStep while the last step is unfinished (deferred.py)
+        self.need = None  # set by the optimizer: before a read of mp's shard, finish pending's groups of mp
+        self.first_use: dict[int, int] = {}  # mp.index -> its place in the order forwards first gathered them
         self.reduce_bucket = 1 << 62  # zero_optimization.reduce_bucket_size (build_store sets it)
         self._bucket: list = []
         self._bucket_elements = 0
@@ -508,6 +511,8 @@ class ParamStore:
         the prefetch trace."""
         if not self._stored(mp):
             return torch.zeros(mp.part, dtype=dtype or mp.home.dtype(mp))
+        if self.pending is not None:
+            self.need(mp)
         return mp.home.read(mp, dtype)
 
     def _stored(self, mp: ManagedParam) -> bool:
@@ -554,6 +559,8 @@ class ParamStore:
         """Every rank's shard of mp, concatenated, on the compute device (see [Note: gathered from the buffer])."""
         if not self._stored(mp):
             return self._assemble(torch.zeros(mp.part, dtype=dtype), True)
+        if self.pending is not None:
+            self.need(mp)
         return mp.home.gather(mp, dtype, self._assemble, scheduled=scheduled)
 
     def _assemble(self, shard: torch.Tensor, owned: bool) -> torch.Tensor:
@@ -573,6 +580,8 @@ class ParamStore:
     def use(self, mp: ManagedParam, *, scheduled: bool = True) -> None:
         """One more user of the full value; gathers it on the first. Fetches outside forward/backward
         (gathered_parameters) pass scheduled=False, so that they stay out of the prefetch trace."""
+        if scheduled and self.frozen:
+            self.first_use.setdefault(mp.index, len(self.first_use))
         if mp.users == 0 and mp.status is ParamStatus.SHARDED:
             self.adopt_reassigned([mp])
             self._check_placeholder(mp)

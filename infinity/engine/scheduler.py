@@ -166,6 +166,9 @@ class PrefetchScheduler:
     def _start(self, mp, sid: str, backward: bool, **prefetch):
         """(future, lent): mp's shard lent from the optimizer's state, else a read of its file (None when a
         prefetch finds no free buffer). `backward`: the use is backward's."""
+        pending = self.store.pending
+        if prefetch and pending is not None and not pending.ready(mp):
+            return None, False  # its group's step is not finished: a later fetch tries again
         lend = self.store.lend
         fut = lend(mp, backward=backward) if lend is not None and mp.trainable else None
         if fut is not None:

@@ -132,6 +132,32 @@ class StatePipeline:
         self.stats.wall_s = time.perf_counter() - t0
         return self.stats
 
+    def written(self, state: GroupState) -> bool:
+        """No write of `state` started by this walk is still in flight (a failed one raises here)."""
+        for st, fut in self._writes:
+            if st is state and fut.done():
+                fut.wait()
+        return not any(st is state and not fut.done() for st, fut in self._writes)
+
+    def wait_written(self, state: GroupState) -> None:
+        """Wait for this walk's writes of `state` to land; a failed one raises."""
+        for st, fut in self._writes:
+            if st is state:
+                fut.wait()
+
+    def reap(self) -> None:
+        """Forget the writes that have landed (a failed one raises)."""
+        landed = [fut for _, fut in self._writes if fut.done()]
+        for fut in landed:
+            fut.wait()
+            self._span(fut, 2)
+        self._writes = [(st, fut) for st, fut in self._writes if not any(fut is f for f in landed)]
+
+    def idle(self) -> bool:
+        """Nothing of this walk is in flight or held (landed writes are forgotten first)."""
+        self.reap()
+        return not self._writes and not self._held and not self._ahead
+
     def finish(self) -> None:
         """Retire held states, drop read-aheads nobody opened, wait for every write; raise the first error."""
         t0 = time.perf_counter()

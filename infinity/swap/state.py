@@ -106,6 +106,10 @@ class GroupState(abc.ABC):
         """Its read has started (or it needs none): open() will not need a pool buffer it does not hold."""
         return True
 
+    def read_landed(self) -> bool:
+        """Its read (if it needs one) has finished: open() will not wait."""
+        return True
+
     @abc.abstractmethod
     def open(self, *, blank: bool = False) -> AdamViews:
         """The state, in memory; `blank`: its current values are about to be overwritten, so none are read."""
@@ -291,6 +295,9 @@ class NvmeState(GroupState):
 
     def ready(self) -> bool:
         return self._read is not None
+
+    def read_landed(self) -> bool:
+        return self._read is not None and self._read.done()
 
     def lend(self, offset: int, numel: int):
         if self._read is None or not self.master:

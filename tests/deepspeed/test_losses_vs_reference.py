@@ -163,7 +163,9 @@ def test_fp32_losses_are_torch_adamws_and_deepspeeds(tmp_path):
 def test_bf16_losses_are_the_fp32_accumulating_torch_reference(tmp_path):
     losses, norms, _, head = engine_run("nvme", torch.bfloat16, str(tmp_path / "nvme"))
     ref_losses, ref_norms, ref_head = torch_reference(torch.bfloat16)
-    # Identical digits through step 6 when measured; the fp32 sums' order leaves ~1e-6 after that.
-    assert losses == pytest.approx(ref_losses, rel=3e-6)
+    # Identical digits through step 6 when measured on an AVX-512 machine without BF16 instructions; the fp32
+    # sums' order leaves ~1e-6 after that. Where the CPU has AVX512-BF16, torch's bf16 matmuls take another path
+    # and steps 6-7 differ by up to 7.0e-6 (measured, the same on the code before and after the deferred step).
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert norms == pytest.approx(ref_norms, rel=3e-5)
     assert head == pytest.approx(ref_head, rel=1e-5)

@@ -87,7 +87,9 @@ def test_written_sizes_stand_and_an_oversized_pool_is_said(tmp_path, caplog):
     try:
         zero = e.config.zero_optimization
         assert zero.sub_group_size == 100_000_000 and zero.offload_optimizer.buffer_count == 4
-        assert len(e.optimizer.groups) == 1
+        # The persistent parameters (LayerNorms, biases) are a group of their own, packed first (see [Note: the
+        # step finishes in the next forward]); everything else fits the one 100M group written.
+        assert [all(mp.persistent for mp in g.params) for g in e.optimizer.groups] == [True, False]
     finally:
         e.close()
     assert "sub_group_size 100,000,000 and buffer_count 4 make the NVMe optimizer's pool 4 buffers" in caplog.text

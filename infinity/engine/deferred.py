@@ -1,0 +1,132 @@
+"""DeferredStep: the NVMe optimizer step after backward, finished group by group as the next forward needs them.
+
+[Note: the step finishes in the next forward]
+With gradient clipping (Hugging Face's default max_grad_norm is 1.0, and
+most DeepSpeed configs clip) or fp16, the step cannot start until backward
+has produced every gradient: the global norm scales them all, and an
+overflow anywhere skips the step. So the step during backward ([Note:
+stepping during backward] in optimizer.py) is off, and with the optimizer
+on NVMe the step after backward is a walk of pure I/O (12 B/param read, 12
+or 14 written) with the CPU idle: at gpt-125m in bf16, 1.4 s of a 6.5 s
+step.
+
+Nothing needs a sub-group's new values before the next forward's first use
+of one of its parameters. So `ShardedAdam.step(defer=True)` decides
+everything the step needs at once (overflow, norm, clip coefficient, and
+each group's hyper-parameters, before the lr scheduler moves them), steps
+at once only the groups holding a persistent parameter (those are read
+without a fetch, as plain tensors, so they must be current when forward
+starts; `_plan` packs them first, into few groups), and hands the rest to
+this object in the order forward first uses them (as recorded by the store
+at each forward's gathers: a tied embedding is registered where it was
+built, at the LM head, and used first). The
+parameter store then asks it, before any read of a trained shard
+(`ParamStore._padded_full`, `read_shard`), to finish the walk through that
+shard's groups (`need`), and the prefetch scheduler starts no read of a
+shard whose groups are not finished (`ready`). Each ask also advances the
+walk as far as it can without waiting (`poll`): the groups whose state has
+been read get their Adam and their write, and the next groups' reads start
+while a buffer is free. So the optimizer's reads and writes run under the
+next forward's compute instead of after backward.
+
+The result is the same step, bit for bit: the same gradients, the same
+clip coefficient, the same hyper-parameters per group, applied to the same
+state; only when each group's I/O happens changes. In alias mode (shards
+read from the optimizer's files, alias.py) a shard is read only after its
+group's write has landed (`need` waits for it, `ready` checks it), which is
+the ordering the step after backward gave by finishing first.
+
+Whatever else touches the state settles the walk first (`settle`: every
+remaining group, every write): the next backward, the next step, a
+checkpoint export or import, zero_grad, close. The bytes of the whole step
+are counted in its own StepStats when it is decided; the time the walk
+makes forward wait is counted in `wait_s`, which the engine reports with
+the next step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from infinity.swap.pipeline import Mode, StatePipeline
+from infinity.swap.telemetry import StepStats
+
+
+class DeferredStep:
+    """The rest of one optimizer step: `groups` (in the order forward first needs them), each with its work."""
+
+    def __init__(self, optimizer, groups: list, works: dict, stats: StepStats, *, wait_writes: bool):
+        self.optimizer = optimizer
+        self.groups = groups
+        self.works = works  # group index -> work(views)
+        self.stats = stats
+        self.wait_writes = wait_writes
+        """Shards are read from the optimizer's files (alias mode): a group is finished only when its write has
+        landed."""
+        self.pipe = StatePipeline(Mode.UPDATE, trace=optimizer.trace)
+        self.pos = {g.index: k for k, g in enumerate(groups)}
+        self.next = 0  # groups[:next] have had their Adam and their write started
+        self.wait_s = 0.0
+        for g in groups:
+            stats.bytes_read += g.state.io_bytes
+            stats.bytes_written += g.state.io_write_bytes
+
+    @property
+    def done(self) -> bool:
+        return self.next == len(self.groups)
+
+    def ready(self, mp) -> bool:
+        """mp's shards hold this step's values (and, in alias mode, their files do)."""
+        for g in self.optimizer.groups_of.get(id(mp), ()):
+            k = self.pos.get(g.index)
+            if k is None:
+                continue
+            if k >= self.next or (self.wait_writes and not self.pipe.written(g.state)):
+                return False
+        return True
+
+    def need(self, mp) -> None:
+        """Finish the walk through mp's groups (and their writes, in alias mode), then advance it without
+        waiting."""
+        t0 = time.perf_counter()
+        groups = [g for g in self.optimizer.groups_of.get(id(mp), ()) if g.index in self.pos]
+        if groups:
+            last = max(self.pos[g.index] for g in groups)
+            while self.next <= last:
+                self._run_next()
+            if self.wait_writes:
+                for g in groups:
+                    self.pipe.wait_written(g.state)
+        self.poll()
+        self.wait_s += time.perf_counter() - t0
+
+    def poll(self) -> None:
+        """Step every group whose state has already been read, then start reads ahead while buffers are free."""
+        while not self.done and self.groups[self.next].state.ready() and self.groups[self.next].state.read_landed():
+            self._run_next()
+        self.pipe.reap()
+        for g in self.groups[self.next:]:
+            self.pipe.ahead(g.state)
+            if not g.state.ready():
+                break  # no buffer free: the next ask tries again
+
+    def settle(self) -> None:
+        """Finish every remaining group and wait for every write."""
+        t0 = time.perf_counter()
+        while not self.done:
+            self._run_next()
+        self.pipe.finish()
+        self.wait_s += time.perf_counter() - t0
+
+    def abandon(self) -> None:
+        """After an error: let what was started finish and give every buffer back."""
+        self.pipe.abandon()
+
+    def _run_next(self) -> None:
+        g = self.groups[self.next]
+        after = self.groups[self.next + 1].state if self.next + 1 < len(self.groups) else None
+        self.pipe.run(g.state, self.works[g.index], then=after)
+        self.next += 1
+        g.grad = None  # its gradient has been used; the next backward starts a new buffer
+        for mp in g.params:
+            mp.grad = None
