@@ -12,8 +12,12 @@ _warn_if_missing()
 
 from infinity import io  # noqa: E402
 from infinity.config import load_config  # noqa: E402
-from infinity.engine import RankFailure, gathered_parameters, initialize, zero_init  # noqa: E402
-from infinity.errors import ConfigError, PartitionedStateError, SwapCorruptionError  # noqa: E402
+from infinity.engine import gathered_parameters, initialize, zero_init  # noqa: E402
+from infinity.errors import (  # noqa: E402
+    CheckpointCorruptionError, CheckpointError, ConfigError, DataError, DirectoryInUse, InfinityError, NoLatest,
+    NoPlacement, PartitionedStateError, PoolExhausted, RankFailure, SwapCorruptionError)
 
-__all__ = ["io", "load_config", "zero_init", "initialize", "gathered_parameters", "ConfigError",
-           "SwapCorruptionError", "PartitionedStateError", "RankFailure", "__version__"]
+__all__ = ["io", "load_config", "zero_init", "initialize", "gathered_parameters", "InfinityError", "ConfigError",
+           "SwapCorruptionError", "PartitionedStateError", "RankFailure", "CheckpointError",
+           "CheckpointCorruptionError", "NoLatest", "DataError", "DirectoryInUse", "NoPlacement", "PoolExhausted",
+           "__version__"]

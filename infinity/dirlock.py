@@ -27,6 +27,7 @@ import os
 import threading
 import time
 import weakref
+from infinity.errors import DirectoryInUse  # noqa: F401 - raised here, defined there
 
 OWNER = "owner.pid"
 RETRY_S = 0.2  # how long a claimer retries a lock that may be a probe's, not an owner's
@@ -45,10 +46,6 @@ def _say_no_flock(directory: str, err: int) -> None:
         _said_no_flock.add(directory)
         warnings.warn(f"infinity: {directory} is on a filesystem without flock ({os.strerror(err)}), so another "
                       "run using it cannot be detected; give each run its own directory", stacklevel=4)
-
-
-class DirectoryInUse(RuntimeError):
-    """Another live process owns the directory; the message names the directory, the process and the fix."""
 
 
 class DirLock:

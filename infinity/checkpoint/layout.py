@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinity.dtypes import BY_NAME
+from infinity.errors import CheckpointError, CheckpointCorruptionError  # noqa: F401 - raised here, defined there
 
 FORMAT = "infinity-checkpoint"
 VERSION = 1
@@ -50,19 +51,6 @@ STATES = ("master", "exp_avg", "exp_avg_sq")
 LATEST = "latest"
 PARTIAL_SUFFIX = ".partial"
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, partial, corrupted, or does not fit the model it is loaded into."""
-
-
-class CheckpointCorruptionError(CheckpointError, OSError):
-    """A chunk's bytes do not match the CRC-32C stored with them (errno EIO, `filename`)."""
-
-    def __init__(self, path: str, what: str, expected: int, actual: int):
-        OSError.__init__(self, errno.EIO, f"checkpoint chunk of {what} is corrupted: CRC-32C is {actual:#010x}, "
-                                          f"{expected:#010x} was stored", path)
-        self.expected, self.actual = expected, actual
 
 
 _REQUIRED = object()

@@ -32,6 +32,7 @@ from infinity.checkpoint.layout import (FORMAT, LATEST, STATES, VERSION, Checkpo
 from infinity.checkpoint.save import extra_tensors, rng_state, together
 from infinity.checkpoint.stream import ChunkReader, Window, open_io
 from infinity.dtypes import BY_NAME, name_of
+from infinity.errors import NoLatest  # noqa: F401 - raised here, defined there
 
 
 def resolve(directory, tag: str | None = None) -> tuple[str, Manifest]:
@@ -86,10 +87,6 @@ def resolve(directory, tag: str | None = None) -> tuple[str, Manifest]:
         raise CheckpointError(f"checkpoint {root} is corrupted: its manifest ({meta_path}) does not match the "
                               f"CRC-32C stored with it")
     return root, Manifest.parse(m, root)
-
-
-class NoLatest(CheckpointError):
-    """The directory has no `latest` file and no tag was given (DeepSpeed's load_checkpoint returns (None, None))."""
 
 
 def check_compatible(engine, m: Manifest, root: str, module_only: bool = False,

@@ -42,6 +42,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from infinity.errors import RankFailure  # noqa: F401 - raised here, defined there
 
 if not dist.is_initialized():
     # Before any group exists; see [Note: a process group that outlives destroy_process_group].
@@ -64,10 +65,6 @@ atexit.register(_destroy_group_at_exit)
 # torch 2.13 renamed the flat-tensor collectives; keep working on either side of the rename.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class RankFailure(RuntimeError):
-    """A collective failed: another rank died, hung past the timeout, or the group broke."""
 
 
 class Comm:

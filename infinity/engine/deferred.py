@@ -38,18 +38,26 @@ the ordering the step after backward gave by finishing first.
 
 Whatever else touches the state settles the walk first (`settle`: every
 remaining group, every write): the next backward, the next step, a
-checkpoint export or import, zero_grad, close. The bytes of the whole step
-are counted in its own StepStats when it is decided; the time the walk
-makes forward wait is counted in `wait_s`, which the engine reports with
-the next step.
+checkpoint export or import. zero_grad leaves the pending groups'
+gradients alone (the walk drops each after its Adam). At close the rest
+of the step is dropped: the swap files go with the engine. After an error
+the walk is abandoned: the groups not yet stepped keep their old values,
+their gradients are dropped (so the next backward does not add onto
+them), and a warning says so. The bytes of the whole step are counted in
+its own StepStats when it is decided; the time the walk holds up its
+callers (its I/O waits and the Adam it runs for them) is counted in
+`wait_s`, which the engine reports as optimizer wait with the next step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from infinity.swap.pipeline import Mode, StatePipeline
 from infinity.swap.telemetry import StepStats
+
+log = logging.getLogger("infinity")
 
 
 class DeferredStep:
@@ -76,13 +84,20 @@ class DeferredStep:
         return self.next == len(self.groups)
 
     def ready(self, mp) -> bool:
-        """mp's shards hold this step's values (and, in alias mode, their files do)."""
+        """mp's shards hold this step's values (and, in alias mode, their files do). A failed write reads as not
+        ready: need() raises it."""
         for g in self.optimizer.groups_of.get(id(mp), ()):
             k = self.pos.get(g.index)
             if k is None:
                 continue
-            if k >= self.next or (self.wait_writes and not self.pipe.written(g.state)):
+            if k >= self.next:
                 return False
+            if self.wait_writes:
+                try:
+                    if not self.pipe.written(g.state):
+                        return False
+                except BaseException:  # noqa: BLE001 - need() of this parameter raises it
+                    return False
         return True
 
     def need(self, mp) -> None:
@@ -106,6 +121,8 @@ class DeferredStep:
             self._run_next()
         self.pipe.reap()
         for g in self.groups[self.next:]:
+            if not g.state.io_bytes:
+                continue  # a state in memory is read by nothing
             self.pipe.ahead(g.state)
             if not g.state.ready():
                 break  # no buffer free: the next ask tries again
@@ -118,9 +135,21 @@ class DeferredStep:
         self.pipe.finish()
         self.wait_s += time.perf_counter() - t0
 
-    def abandon(self) -> None:
-        """After an error: let what was started finish and give every buffer back."""
+    def abandon(self, *, quiet: bool = False) -> None:
+        """After an error (or at close, `quiet`): let what was started finish and give every buffer back. The
+        groups not stepped keep their old state and lose their gradients, so the next backward does not add onto
+        this step's."""
         self.pipe.abandon()
+        left = self.groups[self.next:]
+        for g in left:
+            g.state.abandon()  # a read started for it and not yet taken by the walk
+            g.grad = None
+            for mp in g.params:
+                mp.grad = None
+        if left and not quiet:
+            log.warning("infinity: the optimizer step was cut short: %d of %d sub-groups deferred to forward were "
+                        "not stepped and keep their previous values (their gradients are dropped); restart from a "
+                        "checkpoint for an exact run", len(left), len(self.groups))
 
     def _run_next(self) -> None:
         g = self.groups[self.next]

@@ -182,6 +182,10 @@ class Engine(ModuleSurface):
             self.store.flush_grads()
             if overlap:
                 self._overlapped = self.optimizer.end_overlapped_step()
+        except BaseException:
+            if not overlap:
+                self.optimizer.expect_step(False)  # the reads read_ahead_for_step started go back
+            raise
         finally:
             if overlap:
                 self.optimizer.cancel_overlapped_step()  # a no-op after end_overlapped_step

@@ -112,7 +112,7 @@ import torch
 
 from infinity.engine.comm import Comm
 from infinity.engine.deferred import DeferredStep
-from infinity.engine.params import ParamStore
+from infinity.engine.params import ParamStatus, ParamStore
 from infinity.optim import grads_finite
 from infinity.swap.pipeline import Mode, StatePipeline
 from infinity.swap.state import MOMENT_DTYPES, DeviceState, GroupState, HostState, NvmeState, state_bytes
@@ -558,11 +558,16 @@ class ShardedAdam(torch.optim.Optimizer):
         the order forward first needs them ([Note: the step finishes in the next forward] in deferred.py)."""
         if not defer:
             return self.groups, []
-        now = [g for g in self.groups if any(mp.persistent for mp in g.params)]
+        # Persistent parameters are used as plain tensors, without a read through the store, and so is one
+        # gathered right now (inside gathered_parameters): their groups are stepped at once.
+        def at_once(g):
+            return any(mp.persistent or mp.status is ParamStatus.GATHERED for mp in g.params)
+
+        now = [g for g in self.groups if at_once(g)]
         # Forward's order: as the forwards so far first gathered them (a tied weight is registered where it was
         # built, not where it is used first), else registration order.
         first = self.store.first_use
-        later = sorted((g for g in self.groups if not any(mp.persistent for mp in g.params)),
+        later = sorted((g for g in self.groups if not at_once(g)),
                        key=lambda g: (min(first.get(mp.index, math.inf) for mp in g.params),
                                       min(mp.index for mp in g.params), g.index))
         return now, later
@@ -574,10 +579,10 @@ class ShardedAdam(torch.optim.Optimizer):
             return True, float("inf"), StepStats(skipped=True)
         # fp32 norms per parameter shard, in registration order, summed in fp64 (a fp64 norm would convert every
         # gradient first): the same bits however the shards are packed into sub-groups.
-        shards = {id(mp): mp for g in self.groups for mp in g.params}
-        sq = torch.tensor([sum(float(torch.linalg.vector_norm(mp.grad)) ** 2
-                               for mp in sorted(shards.values(), key=lambda mp: mp.index) if mp.grad.numel())],
-                          dtype=torch.float64)
+        shards = sorted({id(mp): mp for g in self.groups for mp in g.params}.values(), key=lambda mp: mp.index)
+        norms = [torch.linalg.vector_norm(mp.grad) for mp in shards if mp.grad.numel()]
+        norms = torch.stack(norms).cpu().tolist() if norms else []  # one transfer from an accelerator
+        sq = torch.tensor([sum(n * n for n in norms)], dtype=torch.float64)
         norm = math.sqrt(self.comm.all_reduce_(sq).item()) / loss_scale
         coef = 1.0
         if max_norm > 0:
@@ -617,11 +622,12 @@ class ShardedAdam(torch.optim.Optimizer):
         deferred = self._deferred
         try:
             deferred.need(mp)
+            finished = deferred.done and deferred.pipe.idle()
         except BaseException:
             self._deferred = self.store.pending = None
             deferred.abandon()
             raise
-        if deferred.done and deferred.pipe.idle():
+        if finished:
             self.settle()
 
     def _adam_work(self, g: _Group, hyper: dict):
@@ -718,10 +724,10 @@ class ShardedAdam(torch.optim.Optimizer):
                 mp.param.grad = None
 
     def close(self) -> None:
-        try:
-            self.settle()
-        finally:
-            self.expect_step(False)
+        deferred, self._deferred, self.store.pending = self._deferred, None, None
+        if deferred is not None:  # the swap files go with the engine: the rest of the step would be written for
+            deferred.abandon(quiet=True)  # nobody
+        self.expect_step(False)
         if self.swap is not None:
             self.swap.close()
             self.swap = None

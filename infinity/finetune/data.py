@@ -49,16 +49,13 @@ import os
 from dataclasses import dataclass
 
 import torch
+from infinity.errors import DataError  # noqa: F401 - raised here, defined there
 
 IGNORE = -100
 """The label that Hugging Face's causal-LM loss skips."""
 
 _SUFFIXES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
              ".csv": "csv"}
-
-
-class DataError(ValueError):
-    """The data file cannot be used: the message names the file, the row or the column, and the fix."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

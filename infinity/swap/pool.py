@@ -16,10 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from infinity.io import aligned_empty
-
-
-class PoolExhausted(TimeoutError):
-    """acquire() waited longer than its timeout; the message says who holds the buffers."""
+from infinity.errors import PoolExhausted  # noqa: F401 - raised here, defined there
 
 
 class PoolBuffer:

@@ -43,6 +43,11 @@ def collect(directory: str) -> dict:
     return info
 
 
+def add_arguments(p) -> None:
+    p.add_argument("--dir", default=".", help="directory whose alignment and free space to report")
+    p.add_argument("--json", action="store_true")
+
+
 def run(args) -> int:
     if not os.path.isdir(args.dir):
         raise SystemExit(f"info: --dir {args.dir} is not a directory")

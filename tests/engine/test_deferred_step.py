@@ -165,6 +165,8 @@ def test_what_reads_the_state_before_the_next_forward_sees_the_stepped_values(di
         train(e, 2)
         assert e.optimizer._deferred is not None
         e.optimizer.zero_grad()  # what a Hugging Face-style loop does after step(): the pending gradients stay
+        assert e.consolidated_16bit_state_dict().keys() == ref.consolidated_16bit_state_dict().keys()
+        same(e.consolidated_16bit_state_dict(), ref.consolidated_16bit_state_dict())
         e.save_checkpoint(str(tmp_path / "ck"), tag="t")
         assert e.optimizer._deferred is None, "the checkpoint settled the step"
         same(weights(e), weights(ref))
@@ -207,7 +209,16 @@ def test_a_settled_step_frees_every_buffer_and_close_settles_a_pending_one(disk_
     e = build(disk_dir / "b", defer=True)
     train(e, 2)
     assert e.optimizer._deferred is not None
-    e.close()  # right after step(): the rest of the step is finished, then the swap files go
+    from infinity.engine.deferred import DeferredStep
+
+    def refuse(self):
+        raise AssertionError("close() wrote the rest of the step into files it is about to delete")
+
+    DeferredStep.settle, kept = refuse, DeferredStep.settle
+    try:
+        e.close()  # right after step(): the rest of the step is dropped with the swap files
+    finally:
+        DeferredStep.settle = kept
     assert e.optimizer._deferred is None and not any((disk_dir / "b").rglob("*.swp"))
 
 
@@ -256,5 +267,35 @@ def test_the_next_forward_steps_each_group_when_it_first_needs_it(disk_dir, monk
         assert list(firsts.values()) == sorted(firsts.values()), "groups are stepped in forward's order"
         e.backward(loss)
         e.step()
+    finally:
+        e.close()
+
+
+def test_an_error_in_the_deferred_walk_drops_the_unstepped_groups_gradients_and_says_so(disk_dir, caplog,
+                                                                                        monkeypatch):
+    """A failure part-way (here the Adam of the third deferred group) reaches the forward that asked; the groups
+    not stepped keep their values and lose their gradients, no buffer stays taken, and a warning says so."""
+    from infinity.swap.state import NvmeState
+
+    monkeypatch.setattr(NvmeState, "read_landed", lambda self: False)  # only forward's reads step groups
+    e = build(disk_dir, defer=True)
+    try:
+        train(e, 1)
+        pending = e.optimizer._deferred
+        assert pending.next == 0
+        victim = pending.groups[2]
+
+        def broken(views):
+            raise OSError(5, "injected failure in the Adam of a deferred group")
+
+        pending.works[victim.index] = broken
+        x, y = batch(0)
+        with caplog.at_level("WARNING", logger="infinity"), pytest.raises(OSError, match="injected failure"):
+            e(x, y)
+        assert "the optimizer step was cut short: 9 of 11 sub-groups" in caplog.text
+        assert all(g.grad is None and all(mp.grad is None for mp in g.params) for g in pending.groups[2:])
+        assert e.optimizer._deferred is None and e.store.pending is None
+        pool = e.optimizer.swap.pool
+        assert pool.free_count == pool.count, "every buffer is back"
     finally:
         e.close()

@@ -56,6 +56,7 @@ from infinity.engine.optimizer import SPLIT_ALIGN
 from infinity.engine.sizing import FLOOR as SPLIT_FLOOR
 from infinity.tools.plan.measure import Rates
 from infinity.tools.plan.shape import ModelShape
+from infinity.errors import NoPlacement  # noqa: F401 - raised here, defined there
 
 MODEL_EFFICIENCY = 0.6
 PER_MODULE_S = {"nvme": 1.5e-3, "none": 0.3e-3}  # hooks, pool bookkeeping and futures per module gather
@@ -154,10 +155,6 @@ def activation_bytes(shape: ModelShape, micro: int, precision: str) -> int:
         layers = shape.layers * per_layer
     logits = tokens * shape.vocab * (e + 4 + 4)
     return layers + logits
-
-
-class NoPlacement(ValueError):
-    """No placement fits the budget; the message says what each would need."""
 
 
 def plan_batch(shape: ModelShape, budget: int, rates: Rates, *, micro: int, grad_accum: int = 1,
