@@ -27,6 +27,7 @@ import os
 import threading
 import time
 import weakref
+
 from infinity.errors import DirectoryInUse  # noqa: F401 - raised here, defined there
 
 OWNER = "owner.pid"

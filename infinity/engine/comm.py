@@ -42,6 +42,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 from infinity.errors import RankFailure  # noqa: F401 - raised here, defined there
 
 if not dist.is_initialized():

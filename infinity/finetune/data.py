@@ -49,6 +49,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+
 from infinity.errors import DataError  # noqa: F401 - raised here, defined there
 
 IGNORE = -100

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
-from infinity.io import aligned_empty
 from infinity.errors import PoolExhausted  # noqa: F401 - raised here, defined there
+from infinity.io import aligned_empty
 
 
 class PoolBuffer:

@@ -258,10 +258,16 @@ def test_simultaneous_claims_of_one_swap_directory_have_one_winner(disk_dir):
     its own so that each process starts in milliseconds and they really race): exactly one owns it, each other
     one is refused by name. The pid-file claim let 3 of 40 in beside the owner, and one read the other's values."""
     import infinity.dirlock
+    import infinity.errors
 
-    code = ("import importlib.util, sys, time\n"
+    # dirlock imports infinity.errors; a bare package stands in for `infinity` so that torch is not imported.
+    code = ("import importlib.util, sys, time, types\n"
+            "sys.modules['infinity'] = types.ModuleType('infinity'); sys.modules['infinity'].__path__ = []\n"
+            f"spec = importlib.util.spec_from_file_location('infinity.errors', {infinity.errors.__file__!r})\n"
+            "e = importlib.util.module_from_spec(spec); sys.modules['infinity.errors'] = e; spec.loader.exec_module(e)\n"
             f"spec = importlib.util.spec_from_file_location('dirlock', {infinity.dirlock.__file__!r})\n"
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "assert 'torch' not in sys.modules\n"
             "time.sleep(max(0, float(sys.argv[1]) - time.time()))\n"
             f"try:\n lock = m.DirLock({str(disk_dir / 'rank0')!r}, what='swap directory', fix='x')\n"
             "except m.DirectoryInUse:\n print('refused', flush=True); sys.exit(0)\n"

@@ -54,9 +54,9 @@ from dataclasses import dataclass
 
 from infinity.engine.optimizer import SPLIT_ALIGN
 from infinity.engine.sizing import FLOOR as SPLIT_FLOOR
+from infinity.errors import NoPlacement  # noqa: F401 - raised here, defined there
 from infinity.tools.plan.measure import Rates
 from infinity.tools.plan.shape import ModelShape
-from infinity.errors import NoPlacement  # noqa: F401 - raised here, defined there
 
 MODEL_EFFICIENCY = 0.6
 PER_MODULE_S = {"nvme": 1.5e-3, "none": 0.3e-3}  # hooks, pool bookkeeping and futures per module gather
