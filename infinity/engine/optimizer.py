@@ -527,7 +527,7 @@ class ShardedAdam(torch.optim.Optimizer):
         try:
             result = self._step_after_backward(loss_scale, max_norm, defer)
         except BaseException:
-            deferred, self._deferred, self.store.pending = self._deferred, None, None
+            deferred = self._take_deferred()
             if deferred is not None:
                 deferred.abandon()
             for state in early:
@@ -602,12 +602,17 @@ class ShardedAdam(torch.optim.Optimizer):
             self._deferred.poll()  # the first reads start now
         return False, norm, stats
 
+    def _take_deferred(self) -> DeferredStep | None:
+        """The pending deferred step, if any, which from now on is the caller's: the optimizer and the store
+        forget it together."""
+        deferred, self._deferred, self.store.pending = self._deferred, None, None
+        return deferred
+
     def settle(self) -> None:
         """Finish a deferred step (see [Note: the step finishes in the next forward]); a no-op without one."""
-        deferred = self._deferred
+        deferred = self._take_deferred()
         if deferred is None:
             return
-        self._deferred = self.store.pending = None
         try:
             deferred.settle()
         except BaseException:
@@ -624,8 +629,7 @@ class ShardedAdam(torch.optim.Optimizer):
             deferred.need(mp)
             finished = deferred.done and deferred.pipe.idle()
         except BaseException:
-            self._deferred = self.store.pending = None
-            deferred.abandon()
+            self._take_deferred().abandon()
             raise
         if finished:
             self.settle()
@@ -724,7 +728,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 mp.param.grad = None
 
     def close(self) -> None:
-        deferred, self._deferred, self.store.pending = self._deferred, None, None
+        deferred = self._take_deferred()
         if deferred is not None:  # the swap files go with the engine: the rest of the step would be written for
             deferred.abandon(quiet=True)  # nobody
         self.expect_step(False)
