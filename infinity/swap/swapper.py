@@ -128,7 +128,10 @@ class TensorSwapper:
         self.dir = os.path.join(os.fspath(directory), "infinity-swap", f"{kind}-rank{rank}" if kind else f"rank{rank}")
         self.rank = rank
         self._crc: dict[str, int | None] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: swap_out of a partition in memory submits its write (_write) under the lock, and a failed
+        # submission (an OSError, or a KeyboardInterrupt landing there) takes it again to undo the transition; a
+        # plain Lock hung the rank there, with the read reaper stuck behind it.
+        self._lock = threading.RLock()
         self._stale: set[str] = set()  # ids adopted from a crashed run's files, not yet read or written by this one
         self._claim_key = None
         try:

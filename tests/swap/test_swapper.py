@@ -353,3 +353,35 @@ def test_a_write_hook_sees_the_written_bytes_once_and_its_error_reaches_the_writ
     swapper.on_next_write("p", boom)
     with pytest.raises(ValueError, match="hook failed"):
         swapper.swap_out("p", t + 2).wait()
+
+
+def test_a_failed_submission_of_an_in_memory_partitions_write_raises_and_keeps_the_bytes(swapper, monkeypatch):
+    """swap_out of a partition held in memory submits its write under the swapper's lock; a submission that fails
+    there (an OSError, or a KeyboardInterrupt landing in it) must raise and leave the partition in memory, not
+    hang the caller on the lock it already holds (seen as a hung Ctrl-C of `infinity train`)."""
+    swapper.swap_out("p", torch.arange(1000, dtype=torch.float32)).wait()
+    view = swapper.swap_in("p").wait()
+    view.add_(1)
+
+    def refuse(*a, **k):
+        raise OSError(errno.EIO, "injected submission failure")
+
+    monkeypatch.setattr(swapper.aio, "pwrite", refuse)
+    result = {}
+
+    def attempt():
+        try:
+            swapper.swap_out("p", view)
+        except OSError as exc:
+            result["error"] = exc
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "swap_out hung on its own lock after a failed submission"
+    assert "injected submission failure" in str(result["error"])
+    part = swapper.registry["p"]
+    assert part.residency is Residency.IN_CPU, "the bytes stay in memory, not yet written"
+    monkeypatch.undo()
+    swapper.swap_out("p", view).wait()
+    assert torch.equal(swapper.swap_in("p").wait(), torch.arange(1000, dtype=torch.float32) + 1)
