@@ -262,6 +262,32 @@ def test_eval_in_the_metrics_and_resume_refuses_another_data_order(files, tmp_pa
     assert "was saved by a run with seed 0 (now 5); resume with the same settings" in again.stderr
 
 
+def test_one_rank_stops_between_steps_too(capfd):
+    """[Note: Ctrl-C stops between steps] with one rank: the first signal only asks (a KeyboardInterrupt raised
+    wherever the main thread is can wedge the swap reapers' queues), check() raises it at the step's end, and a
+    second signal stops at once."""
+    import signal as sig
+
+    from infinity.tools import train as tr
+
+    class Comm:
+        world, rank = 1, 0
+
+        def all_reduce_(self, t, op=None):
+            raise AssertionError("one rank has nobody to agree with")
+
+    with tr.StopBetweenSteps(Comm()) as stop:
+        assert sig.getsignal(sig.SIGINT) == stop._on_signal, "one rank installs the handler too"
+        stop.check()
+        stop._on_signal(sig.SIGTERM, None)
+        assert "stopping after this step" in capfd.readouterr().err
+        with pytest.raises(tr.Terminated):
+            stop.check()
+        with pytest.raises(KeyboardInterrupt):
+            stop._on_signal(sig.SIGTERM, None)  # again at once: no launcher repeats a signal to one rank
+    assert sig.getsignal(sig.SIGINT) != stop._on_signal, "the handler goes when the loop ends"
+
+
 def test_a_second_signal_stops_at_once_and_a_repeat_of_the_first_does_not(monkeypatch, capfd):
     """StopBetweenSteps on rank 0 of 2 (its handler called as the signal would call it): the first SIGINT asks
     for a stop after the step, the same signal again within REPEAT_S is that one arriving twice, a later one
