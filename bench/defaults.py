@@ -5,7 +5,9 @@ saves memory by default").
 Each (model, config) pair is a fresh `infinity train --model M --config C --steps N` process; the figures
 are its own: the peak RSS of the run (`peak_rss_bytes`, sampled), the median step time after the first step
 (the first records the prefetch trace) and the median prefetch hit rate after it. The ratios are against the
-all-in-RAM run of the same model in the same invocation.
+all-in-RAM run of the same model in the same invocation. Before each run, `infinity plan --model M --config C`
+(no budget: the config's run as written, [Note: predicting a config's run] in infinity/tools/plan/cost.py)
+predicts its peak RSS over the baseline and its step time; the last columns are measured / predicted.
 
     python bench/defaults.py --nvme-path /var/tmp/defaults [--models gpt-125m,gpt-350m,gpt-1b,llama-300m]
         [--steps 4] [--json]
@@ -49,9 +51,15 @@ def one(model: str, config: str, args, scratch: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(nvme, ignore_errors=True)
     nvme.mkdir(parents=True)
+    planned = [sys.executable, "-m", "infinity", "plan", "--model", model, "--config", str(shipped_config(config)),
+               "--nvme-path", str(nvme), "--json"]
     cmd = [sys.executable, "-m", "infinity", "train", "--model", model, "--config", str(shipped_config(config)),
            "--steps", str(args.steps), "--nvme-path", str(nvme), "--out", str(out)]
     try:
+        pred = subprocess.run(planned, capture_output=True, text=True, timeout=args.timeout)
+        if pred.returncode != 0:
+            raise SystemExit(f"bench defaults: {' '.join(planned)} failed ({pred.returncode}):\n{pred.stderr[-3000:]}")
+        pred = json.loads(pred.stdout.strip().splitlines()[-1])
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
@@ -61,10 +69,13 @@ def one(model: str, config: str, args, scratch: Path) -> dict:
     later = rows[1:] or rows
     swapped = json.loads((out / "run.json").read_text())["param_tier"] == "nvme"  # else nothing is prefetched
     hits = [r["prefetch_hit_rate"] for r in later if swapped and r.get("prefetch_hit_rate") is not None]
-    return {"peak_rss_bytes": max(r["peak_rss_bytes"] for r in rows),
+    peak = max(r["peak_rss_bytes"] for r in rows)
+    return {"peak_rss_bytes": peak, "peak_over_baseline_bytes": peak - rows[0]["baseline_rss_bytes"],
             "step_s": statistics.median(r["step_s"] for r in later),
             "hit_rate": statistics.median(hits) if hits else None,
-            "losses": [r["loss"] for r in rows]}
+            "losses": [r["loss"] for r in rows], "predicted_peak_over_baseline_bytes": pred["predicted_peak_bytes"],
+            "predicted_step_s": pred["predicted_step_s"], "predicted_memory": pred["memory"],
+            "predicted_time": pred["time"], "rates": pred["rates"]}
 
 
 def main(argv=None) -> int:
@@ -81,8 +92,9 @@ def main(argv=None) -> int:
     try:
         if not args.json:
             print(f"# bench defaults: {args.steps} steps each, figures after step 1, swap files in {args.nvme_path}")
-            print("| model | config | peak RSS | vs RAM | step | vs RAM | prefetch hit |")
-            print("|---|---|---|---|---|---|---|")
+            print("| model | config | peak RSS | vs RAM | step | vs RAM | prefetch hit | peak over baseline, measured "
+                  "/ predicted | step, measured / predicted |")
+            print("|---|---|---|---|---|---|---|---|---|")
         for name in args.models.split(","):
             model = llama_300m(scratch) if name == "llama-300m" else name
             ram = None
@@ -95,7 +107,9 @@ def main(argv=None) -> int:
                 hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f} %"
                 print(f"| {name} | `{config}` ({label}) | {r['peak_rss_bytes'] / 2**30:.2f} GiB | "
                       f"{r['peak_rss_bytes'] / ram['peak_rss_bytes']:.2f}x | {r['step_s']:.2f} s | "
-                      f"{r['step_s'] / ram['step_s']:.2f}x | {hit} |", flush=True)
+                      f"{r['step_s'] / ram['step_s']:.2f}x | {hit} | "
+                      f"{r['peak_over_baseline_bytes'] / r['predicted_peak_over_baseline_bytes']:.2f} | "
+                      f"{r['step_s'] / r['predicted_step_s']:.2f} |", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -24,47 +24,67 @@ time: one real layer's forward + backward at the run's batch and dtype
 (FLOPs at the measured matmul speed for what is not in the layers, or
 for models whose layer cannot run alone), CPU Adam parameters/s, memcpy
 and CRC-32C bytes/s, and the disk's read and write bytes/s through our
-AsyncIO with the config's aio settings:
+AsyncIO with the config's aio settings. The step is cut into phases by
+when its I/O can run (`io_phases`), because the optimizer step's I/O
+overlaps only the compute of the phase it runs in (`step_phase`): during
+backward (no clipping), in the next forward (the NVMe step finished as
+forward needs each sub-group: clipping or fp16 make the step wait for
+every gradient), or after backward, alone. Each phase is
 
-  cpu  = layers x layer time (x 4/3 when checkpointed) + per-module hook cost
-         + Adam + pool copies and checksums + per-parameter engine work
-  io   = bytes read / read rate + bytes written / write rate
-  step = max(cpu, io) + OVERLAP_LEAK x min(cpu, io)
+  cpu  = its compute (forward: 2 of the 6, or 8 when checkpointed, FLOPs per
+         parameter and token; hooks per module gather) + Adam if the step
+         runs there + pool copies and checksums of its bytes
+         (+ per-parameter engine work, in backward)
+  disk = max(reads / read rate, writes / write rate)
+         + DUPLEX_SHARE x the shorter of the two
+  time = max(cpu, disk) + OVERLAP_LEAK x min(cpu, disk)
 
-The engine overlaps I/O with compute (prefetch, stepping during backward,
-the pipelined optimizer swapper), so the longer of the two sets the pace;
-OVERLAP_LEAK is the share of the shorter one that still shows: 0.1 when
-the disk sets the pace, 0.5 when compute does (on 2 cores the I/O threads
-need the CPU too). OVERLAP_LEAK, PER_MODULE_S and PER_PARAM_S are the
-constants not measured in the run: they were fitted on the reference VM
-(2 cores) to `infinity bench plan` runs of gpt-small to gpt-2b and a
-profile of gpt-100m, so elsewhere the prediction is only as good as they
-transfer.
+and the step is the sum of its phases. OVERLAP_LEAK is the share of the
+shorter of compute and I/O that still shows (on 2 cores the I/O threads
+need the CPU too); DUPLEX_SHARE how much reads and writes in flight
+together slow each other. These two, PER_LOGIT_S (the loss beyond the LM
+head's matmul), PER_MODULE_S and PER_PARAM_S are the constants not
+measured in the run: they were fitted on the reference VM (2 cores) to
+`bench/defaults.py` (125M-1B, the shipped configs as written) and
+`infinity bench plan` runs, so elsewhere the prediction is only as good
+as they transfer; the disk measured at plan time is one pass on a disk
+that drifts by +-30 % within the hour.
 
 Peak memory is the larger of two phases: setup (the fp32 state being
 built) and training (state in RAM, buffers, activations, gathered
-parameters, gradients in flight). See [Note: what the memory budget covers].
+parameters, gradients in flight; with the step finished in the next
+forward, the gradients waiting for it and the activations do not peak
+together, and the larger counts). See [Note: what the memory budget
+covers].
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 
 from infinity.engine.optimizer import SPLIT_ALIGN
 from infinity.engine.sizing import FLOOR as SPLIT_FLOOR
+from infinity.engine.sizing import TARGET as SPLIT_TARGET
 from infinity.errors import NoPlacement  # noqa: F401 - raised here, defined there
 from infinity.tools.plan.measure import Rates
 from infinity.tools.plan.shape import ModelShape
 
 MODEL_EFFICIENCY = 0.6
 PER_MODULE_S = {"nvme": 1.5e-3, "none": 0.3e-3}  # hooks, pool bookkeeping and futures per module gather
+# The loss beyond the LM head's matmul (the logits' fp32 copy, softmax, their gradient), per logit per step.
+PER_LOGIT_S = 10e-9
 PER_PARAM_S = 5e-9                # gradient zeroing/accumulation, conversions, norms, copies (profiled)
 # The share of the shorter of compute and I/O that still shows: small when the disk sets the pace (compute
 # runs in its shadow on the other core), larger when compute does (I/O needs the cores too).
-OVERLAP_LEAK = {"io_bound": 0.1, "cpu_bound": 0.5}
+OVERLAP_LEAK = {"io_bound": 0.1, "cpu_bound": 0.3}
+# Reads and writes in flight together (the optimizer's pipelined walk) share the disk only in part: a phase's
+# disk time is the longer of its reads and its writes, plus this share of the shorter.
+DUPLEX_SHARE = 0.15
 ALLOCATOR_SLACK = 1.1            # fragmentation and autograd bookkeeping, on the variable part
+INFLIGHT_GRAD_BYTES = 2 * 4 * ALLOCATOR_SLACK  # per sub-group element: two sub-groups' fp32 gradients in flight
 FIXED_OVERHEAD = 8 << 20         # threads, handles, Python objects of the engine, glibc arenas
 OPT_BUFFERS = (5, 4, 3)          # preferred optimizer buffer counts, best first (3 is the least that overlaps)
 MIN_PARAM_BUFFERS = 3
@@ -131,6 +151,8 @@ class PoolSizing:
     ([Note: the parameter pool shrinks after setup] in engine/params.py)."""
     inflight_grad_bytes: int
     """Bytes of fp32 gradients in flight (about two sub-groups' worth, or the whole shard if smaller)."""
+    cache_bytes: int = 0
+    """Bytes of gathered shards the prefetch's reuse cache may keep (a plan sets the reuse distance to 0)."""
 
 
 def lowp_bytes(precision: str) -> int:
@@ -189,13 +211,6 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
     e = lowp_bytes(precision)
     sb = optimizer_state_bytes(base)
     full_grads = clipping or grad_accum > 1 or precision == "fp16"  # then every gradient waits in RAM
-    act = activation_bytes(shape, micro, precision)
-    # Gathered at once: the biggest module's full parameters and their gradients, in the compute dtype.
-    gathered = 2 * shape.largest_module * e
-    reduce_bucket = max(shape.largest_module, min(1 << 22, shard // 8))
-    # The bucket being filled can pass reduce_bucket by up to one parameter, and while one is packed and
-    # reduced the previous may still be in flight: three buckets' worth of fp32.
-    buckets = 3 * 4 * (reduce_bucket + shape.largest_module) if world > 1 else 0
     # Parameters kept in RAM are built in fp32 (their initial values become the fp32 master weights), and each
     # optimizer sub-group turns its parameters into the compute dtype once its master exists: setup holds
     # 4 B/param of them, training e B/param.
@@ -212,11 +227,10 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
     reasons = []
     for c in candidates:
         ptier, otier = c.param_tier, c.optimizer_tier
-        transient = {"activations": act, "gathered_params": gathered, "gradients": 4 * shard if full_grads else 0,
-                     "comm_buckets": buckets}
-        mem = {"state_in_ram": c.state_bytes, **{k: int(ALLOCATOR_SLACK * v) for k, v in transient.items()},
-               "fixed": FIXED_OVERHEAD}
-        need = max(sum(mem.values()), c.setup_state_bytes + FIXED_OVERHEAD)
+        fixed = _fixed_memory(shape, c, micro=micro, precision=precision, world=world, full_grads=full_grads,
+                              step=step_phase(base, precision=precision, optimizer_tier=otier, clipping=clipping),
+                              grad_accum=grad_accum)
+        need = max(sum(fixed.values()), c.setup_state_bytes + FIXED_OVERHEAD)
         left = per_rank - need
         if left < 0:
             reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)} needs {format_size_h(need)} "
@@ -230,36 +244,157 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
             reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)}: the {format_size_h(left)} left "
                            f"cannot hold the smallest working set of buffers")
             continue
-        mem["swap_buffers"] = sizing.pool_bytes
-        mem["gradients"] += sizing.inflight_grad_bytes
-        # Setup: the state above, the pools, and one sub-group's master being built.
-        setup = {"state_in_ram": c.setup_state_bytes, "swap_buffers": sizing.setup_pool_bytes,
-                 "master_being_built": 4 * sizing.sub_group_size, "fixed": FIXED_OVERHEAD}
-        phase = "training" if sum(mem.values()) >= sum(setup.values()) else "setup"
-        if phase == "setup":
-            mem = setup
-        peak = sum(mem.values())
-        if peak > per_rank:
-            reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)}: needs {format_size_h(peak)} "
-                           f"with its buffers")
+        p = _evaluate(shape, rates, c, sizing, fixed, base=base, precision=precision, micro=micro, world=world,
+                      grad_accum=grad_accum, rate_micro=rate_micro, clipping=clipping, config=None)
+        if p.predicted_peak_bytes > per_rank:
+            reasons.append(f"params {_tier(ptier)} + optimizer {_tier(otier)}: needs "
+                           f"{format_size_h(p.predicted_peak_bytes)} with its buffers")
             continue
-        reads, writes = io_bytes(ptier, otier, shard, precision, sb, step_in_backward=(
-            precision != "fp16" and not (base or {}).get("gradient_clipping") and grad_accum == 1
-            and (base or {}).get("infinity", {}).get("step_during_backward", True)), grad_accum=grad_accum)
-        t = step_time(shape, rates, micro=micro, shard=shard, reads=reads, writes=writes, param_tier=ptier,
-                      checksums=bool((base or {}).get("infinity", {}).get("checksums", True)), world=world,
-                      grad_accum=grad_accum, rate_micro=rate_micro or micro)
         cfg = _config(base, c, sizing, nvme_path=nvme_path, budget=budget, precision=precision, micro=micro,
-                      reduce_bucket=reduce_bucket, grad_accum=grad_accum)
-        return Plan(param_tier=ptier, optimizer_tier=otier, micro_batch=micro, grad_accum=grad_accum,
-                    param_buffer_count=sizing.param_buffer_count,
-                    param_buffer_size=sizing.param_buffer_size, optimizer_buffer_count=sizing.optimizer_buffer_count,
-                    sub_group_size=sizing.sub_group_size, prefetch_bucket=sizing.prefetch_bucket, memory=mem,
-                    peak_phase=phase, predicted_peak_bytes=peak, predicted_step_s=t["step"], time=t,
-                    io_read_bytes=reads, io_write_bytes=writes, config=cfg)
+                      reduce_bucket=_reduce_bucket(shape, shard), grad_accum=grad_accum)
+        return dataclasses.replace(p, config=cfg)
     hint = "" if nvme_path is not None else "; with --nvme-path the state can go to disk"
     raise NoPlacement(f"--memory-budget {format_size_h(budget)}: no placement of {shape.name} "
                      f"({shape.numel / 1e6:.1f}M params, {world} rank(s)) fits: " + "; ".join(reasons) + hint)
+
+
+def _reduce_bucket(shape: ModelShape, shard: int) -> int:
+    return max(shape.largest_module, min(1 << 22, shard // 8))
+
+
+def _fixed_memory(shape: ModelShape, c: Placement, *, micro: int, precision: str, world: int, full_grads: bool,
+                  step: str, grad_accum: int = 1) -> dict:
+    """Training memory over the baseline before any swap buffer, by item (transients with the allocator's slack);
+    `step`: when the optimizer step runs (step_phase)."""
+    e = lowp_bytes(precision)
+    shard = math.ceil(shape.numel / world)
+    reduce_bucket = _reduce_bucket(shape, shard)
+    # Activations, gathered parameters and buckets are many allocations (with the allocator's slack); the fp32
+    # gradients are one buffer per sub-group, counted as they are.
+    slack = {k: int(ALLOCATOR_SLACK * v) for k, v in {
+        "activations": activation_bytes(shape, micro, precision),
+        # Gathered at once: the biggest module's full parameters and their gradients, in the compute dtype.
+        "gathered_params": 2 * shape.largest_module * e,
+        # The bucket being filled can pass reduce_bucket by up to one parameter, and while one is packed and
+        # reduced the previous may still be in flight: three buckets' worth of fp32.
+        "comm_buckets": 3 * 4 * (reduce_bucket + shape.largest_module) if world > 1 else 0}.items()}
+    mem = {"state_in_ram": c.state_bytes, **slack, "gradients": 4 * shard if full_grads else 0,
+           "fixed": FIXED_OVERHEAD}
+    if step == "forward" and mem["gradients"] and grad_accum == 1:
+        # The step finished in the next forward frees each sub-group's gradients as that forward steps it, while
+        # its activations grow; backward's activations shrink as its gradients grow. So the gradients waiting
+        # for the step and the activations do not peak together: the larger of the two counts. (A step after
+        # backward zeroes the gradients and keeps them; with accumulation the later micro-batches run forward
+        # and backward beside every gradient so far.)
+        mem["activations_then_gradients"] = max(mem.pop("activations"), mem["gradients"])
+        mem["gradients"] = 0
+    return mem
+
+
+def _evaluate(shape: ModelShape, rates: Rates, c: Placement, sizing: PoolSizing, fixed: dict, *, base: dict | None,
+              precision: str, micro: int, world: int, grad_accum: int, rate_micro: int | None, clipping: bool,
+              config: dict | None) -> Plan:
+    """The predicted peak memory (the larger phase) and step time of placement `c` with buffers `sizing`."""
+    shard = math.ceil(shape.numel / world)
+    when = step_phase(base, precision=precision, optimizer_tier=c.optimizer_tier, clipping=clipping)
+    mem = dict(fixed)
+    mem["swap_buffers"] = sizing.pool_bytes
+    mem["gradients"] += sizing.inflight_grad_bytes
+    if sizing.cache_bytes:
+        mem["reuse_cache"] = sizing.cache_bytes
+    # Setup: the state above, the pools, and one sub-group's master being built.
+    setup = {"state_in_ram": c.setup_state_bytes, "swap_buffers": sizing.setup_pool_bytes,
+             "master_being_built": 4 * sizing.sub_group_size, "fixed": FIXED_OVERHEAD}
+    phase = "training" if sum(mem.values()) >= sum(setup.values()) else "setup"
+    if phase == "setup":
+        mem = setup
+    sb = optimizer_state_bytes(base)
+    by_phase = io_phases(c.param_tier, c.optimizer_tier, shard, precision, sb, step=when, grad_accum=grad_accum)
+    t = step_time(shape, rates, micro=micro, shard=shard, io=by_phase, step=when, param_tier=c.param_tier,
+                  checksums=bool((base or {}).get("infinity", {}).get("checksums", True)), world=world,
+                  grad_accum=grad_accum, rate_micro=rate_micro or micro)
+    reads = sum(r for r, _ in by_phase.values())
+    writes = sum(w for _, w in by_phase.values())
+    return Plan(param_tier=c.param_tier, optimizer_tier=c.optimizer_tier, micro_batch=micro, grad_accum=grad_accum,
+                param_buffer_count=sizing.param_buffer_count, param_buffer_size=sizing.param_buffer_size,
+                optimizer_buffer_count=sizing.optimizer_buffer_count, sub_group_size=sizing.sub_group_size,
+                prefetch_bucket=sizing.prefetch_bucket, memory=mem, peak_phase=phase,
+                predicted_peak_bytes=sum(mem.values()), predicted_step_s=t["step"], time=t, io_read_bytes=reads,
+                io_write_bytes=writes, config=config or {})
+
+
+def config_batch(cfg, world: int) -> tuple[int, int]:
+    """(micro-batch, accumulation) of a config as `infinity train` runs it: DeepSpeed's rules (any two of
+    train_batch_size, the micro batch and accumulation give the third), else 4 and 1."""
+    from infinity.config.resolve import resolve_batch
+
+    sizes = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+                          world)
+    return sizes.micro_batch_per_rank or 4, sizes.gradient_accumulation_steps or 1
+
+
+def predict(shape: ModelShape, rates: Rates, cfg, base: dict, *, world: int = 1,
+            rate_micro: int | None = None) -> Plan:
+    """[Note: predicting a config's run]
+    `infinity plan` without --memory-budget: the peak memory and step time of the run a config gives as it is
+    (`cfg` loaded, `base` its JSON), with the sizes the engine fits where the config writes none ([Note: sizes
+    fitted to the model] in engine/sizing.py), through the same terms as a plan. So a user can ask what a
+    DeepSpeed config will cost here before running it, and `bench/defaults.py` holds the model to the shipped
+    configs' runs. Placements the model does not cover (part of the optimizer kept on the device, shards kept
+    in RAM from an NVMe tier) are refused by name rather than predicted as something else."""
+    from infinity.engine.sizing import BUFFERS, PARAM_BUFFER, SUB_GROUP, written
+
+    zero = cfg.zero_optimization
+    precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
+    micro, accum = config_batch(cfg, world)
+    e, sb = lowp_bytes(precision), optimizer_state_bytes(base)
+    if zero.stage != 3:
+        raise ValueError(f"infinity plan predicts ZeRO stage 3 runs; the config has stage {zero.stage}")
+    ptier = "nvme" if zero.offload_param.device == "nvme" else "none"
+    otier = "nvme" if zero.offload_optimizer.device == "nvme" else "cpu"
+    if otier == "cpu" and zero.offload_optimizer.ratio < 1:
+        raise ValueError("infinity plan cannot predict a partial optimizer offload (offload_optimizer.ratio "
+                         f"{zero.offload_optimizer.ratio} keeps part of the state on the device); leave ratio at 1.0")
+    if ptier == "nvme" and zero.offload_param.max_in_cpu:
+        raise ValueError("infinity plan cannot predict shards kept in RAM from the NVMe tier "
+                         f"(offload_param.max_in_cpu {zero.offload_param.max_in_cpu}); leave it at 0")
+    shard = math.ceil(shape.numel / world)
+    largest = math.ceil(shape.largest / world)
+    pools = "both" if ptier == "nvme" and otier == "nvme" else "opt" if otier == "nvme" else None
+    state = {("none", "cpu"): (shard * (sb + e), shard * (sb + e)), ("none", "nvme"): (shard * e, shard * 4),
+             ("nvme", "nvme"): (0, 0), ("nvme", "cpu"): (shard * sb, shard * sb)}[ptier, otier]
+    c = Placement(param_tier=ptier, optimizer_tier=otier, state_bytes=state[0], setup_state_bytes=state[1],
+                  pools=pools)
+    full_grads = cfg.gradient_clipping > 0 or accum > 1 or precision == "fp16"
+    if otier == "nvme":
+        # The engine's fit (sizing.fit_optimizer): the largest shard, within [FLOOR, TARGET] where a large shard
+        # is split over sub-groups of its own (ZeRO-3), at least FLOOR where a sub-group holds whole shards.
+        group = zero.sub_group_size if written(cfg, SUB_GROUP) else min(max(largest, SPLIT_FLOOR), SPLIT_TARGET)
+        group = min(group, shard)
+        count = zero.offload_optimizer.buffer_count
+        if not written(cfg, BUFFERS):
+            count = max(1, min(count, math.ceil(shard / group)))
+        tail = e if pools == "both" and e != 4 else 0
+        opt_bytes = count * group * (sb + tail)
+    else:
+        group, count, opt_bytes = min(shard, zero.sub_group_size), 1, 0
+    pbufs, psize, bucket, cache = 1, largest, 0, 0
+    if ptier == "nvme":
+        pbufs = zero.offload_param.buffer_count
+        psize = min(zero.offload_param.buffer_size, largest) if written(cfg, PARAM_BUFFER) else largest
+        bucket = zero.stage3_prefetch_bucket_size
+        if zero.stage3_max_reuse_distance:  # kept shards, within the bucket less the largest shard
+            cache = max(min(bucket - psize, shard), 0) * e
+    sizing = PoolSizing(param_buffer_count=pbufs, param_buffer_size=psize, optimizer_buffer_count=count,
+                        sub_group_size=group, prefetch_bucket=bucket,
+                        pool_bytes=(pbufs * psize * e if ptier == "nvme" else 0) + opt_bytes,
+                        setup_pool_bytes=(pbufs * psize * 4 if ptier == "nvme" else 0) + opt_bytes,
+                        inflight_grad_bytes=_inflight_grads(full_grads, group, shard), cache_bytes=cache)
+    fixed = _fixed_memory(shape, c, micro=micro, precision=precision, world=world, full_grads=full_grads,
+                          step=step_phase(base, precision=precision, optimizer_tier=otier,
+                                          clipping=cfg.gradient_clipping > 0), grad_accum=accum)
+    return _evaluate(shape, rates, c, sizing, fixed, base=base, precision=precision, micro=micro, world=world,
+                     grad_accum=accum, rate_micro=rate_micro, clipping=cfg.gradient_clipping > 0, config=base)
 
 
 def _tier(t: str) -> str:
@@ -281,7 +416,7 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
     Without full gradients, a sub-group's fp32 gradients live from its first gradient to its step, so about
     two sub-groups' worth are in flight; they count against the budget like the buffers.
     """
-    grads = 0 if full_grads else 2 * 4 * ALLOCATOR_SLACK
+    grads = 0 if full_grads else INFLIGHT_GRAD_BYTES  # per sub-group element
     left = int(left * (1 - MARGIN))
     if pools is None:  # optimizer in RAM: sub-groups bound the gradients in flight and the master being built
         group = max(largest_shard, min(shard, 1 << 24, int(left // (grads + 4))))
@@ -326,10 +461,19 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
         return None
     group = int(group)
     prefetch = max(psize, (pbufs - 1) * psize) if pools == "both" else 0
-    inflight = int(min(grads * group, grads / 2 * shard))  # two sub-groups, or the whole shard if smaller
+    inflight = _inflight_grads(full_grads, group, shard)
     return PoolSizing(param_buffer_count=pbufs or 1, param_buffer_size=psize, optimizer_buffer_count=obufs,
                       sub_group_size=group, prefetch_bucket=int(prefetch), pool_bytes=pbytes + obufs * sb * group,
                       setup_pool_bytes=pbufs * 4 * psize + obufs * sb * group, inflight_grad_bytes=inflight)
+
+
+def _inflight_grads(full_grads: bool, group: int, shard: int) -> int:
+    """Bytes of fp32 gradients in flight without full gradients (those are counted whole elsewhere): a
+    sub-group's live from its first gradient to its step, so about two sub-groups' worth, or the whole shard if
+    smaller, with the allocator's slack (they are allocated and freed as backward goes)."""
+    if full_grads:
+        return 0
+    return int(INFLIGHT_GRAD_BYTES * min(group, shard / 2))
 
 
 def optimizer_state_bytes(base: dict | None) -> int:
@@ -338,34 +482,72 @@ def optimizer_state_bytes(base: dict | None) -> int:
     return 8 if moments == "bf16" else 12
 
 
+def step_phase(base: dict | None, *, precision: str, optimizer_tier: str, clipping: bool | None = None) -> str:
+    """When the optimizer step's work runs, as the engine decides it: "backward" (stepping during backward: no
+    clipping, no fp16), "forward" (the NVMe step finished in the next forward, [Note: the step finishes in the
+    next forward] in engine/deferred.py) or "after" (after backward, alone)."""
+    base = base or {}
+    inf = base.get("infinity", {}) or {}
+    if clipping is None:
+        clipping = float(base.get("gradient_clipping", 0) or 0) > 0
+    if precision != "fp16" and not clipping and inf.get("step_during_backward", True):
+        return "backward"
+    if optimizer_tier == "nvme" and inf.get("step_during_forward", True):
+        return "forward"
+    return "after"
+
+
+def io_phases(ptier: str, otier: str, shard: int, precision: str, sb: int = 12, *, step: str = "backward",
+              grad_accum: int = 1) -> dict:
+    """Bytes (read, written) per step per rank in each phase: "forward" (the first micro-batch's forward),
+    "rest" (the other forwards and every backward) and "after" (after the last backward). The parameter reads
+    run in forward and backward; the optimizer's state (sb B/param each way) and the new shards move in the
+    step's phase (`step`, see step_phase; "backward" puts them in "rest").
+
+    28 B/param in fp32 and in bf16 with everything on NVMe and the step during backward, 32 and 30 with the step
+    after it (clipping, fp16); sb 8 with bf16 moments. Shards are lent from the master where it is in host
+    memory ([Note: backward reads from the state] in engine/optimizer.py): always with the optimizer on the CPU,
+    in backward when its NVMe state is read then. Each of `grad_accum` micro-batches reads the shards again."""
+    e = lowp_bytes(precision)
+    lent_in_backward = step == "backward" and grad_accum == 1
+    fwd = rest = 0
+    if ptier == "nvme" and otier == "nvme":  # forward; backward too unless the step's read serves it
+        fwd = e * shard
+        rest = ((0 if lent_in_backward else 1) + 2 * (grad_accum - 1)) * e * shard
+    step_r = step_w = 0
+    if otier == "nvme":
+        step_r += sb * shard     # master, m, v
+        step_w += sb * shard
+    if ptier == "nvme" and (precision != "fp32" or otier != "nvme"):
+        # The new shard: the low-precision copy, or fp32 weights whose file is not a slice of the state's.
+        step_w += e * shard
+    phases = {"forward": [fwd, 0], "rest": [rest, 0], "after": [0, 0]}
+    where = {"backward": "rest", "forward": "forward", "after": "after"}[step]
+    phases[where][0] += step_r
+    phases[where][1] += step_w
+    return {k: tuple(v) for k, v in phases.items()}
+
+
 def io_bytes(ptier: str, otier: str, shard: int, precision: str, sb: int = 12, *,
              step_in_backward: bool = True, grad_accum: int = 1) -> tuple[int, int]:
-    """Bytes read and written per step per rank: 28 B/param in fp32 and in bf16 with everything on NVMe and the
-    step during backward, 32 and 30 with the step after it (clipping, fp16); sb 8 with bf16 moments. Shards are
-    lent from the master where it is in host memory ([Note: backward reads from the state] in
-    engine/optimizer.py): always with the optimizer on the CPU, in backward when its NVMe state is read then.
-    Each of `grad_accum` micro-batches reads the shards again."""
-    e = lowp_bytes(precision)
-    reads = writes = 0
-    if otier == "nvme":
-        reads += sb * shard     # master, m, v
-        writes += sb * shard
-    if ptier == "nvme":
-        if otier == "nvme":  # forward; backward too unless the step's read serves it (fp32: the files' slices)
-            reads += ((1 if step_in_backward else 2) + 2 * (grad_accum - 1)) * e * shard
-        elif otier != "cpu":
-            reads += 2 * grad_accum * e * shard
-        if precision != "fp32" or otier != "nvme":
-            # The new shard: the low-precision copy, or fp32 weights whose file is not a slice of the state's.
-            writes += e * shard
-    return reads, writes
+    """Bytes (read, written) per step per rank, all phases together (io_phases)."""
+    phases = io_phases(ptier, otier, shard, precision, sb, step="backward" if step_in_backward else "after",
+                       grad_accum=grad_accum)
+    return sum(r for r, _ in phases.values()), sum(w for _, w in phases.values())
 
 
-def step_time(shape: ModelShape, rates: Rates, *, micro: int, shard: int, reads: int, writes: int,
-              param_tier: str, checksums: bool = True, world: int = 1, grad_accum: int = 1,
-              rate_micro: int | None = None) -> dict:
-    """Seconds per optimizer step, by item. `rates.layer_s` was measured at `rate_micro` samples (default
-    `micro`) and is scaled to `micro`; compute and module hooks count once per micro-batch."""
+def _overlap(cpu: float, io: float) -> float:
+    """One phase's time: the longer of its compute and its I/O, and the share of the shorter that still shows."""
+    if io >= cpu:
+        return io + OVERLAP_LEAK["io_bound"] * cpu
+    return cpu + OVERLAP_LEAK["cpu_bound"] * io
+
+
+def step_time(shape: ModelShape, rates: Rates, *, micro: int, shard: int, io: dict, step: str, param_tier: str,
+              checksums: bool = True, world: int = 1, grad_accum: int = 1, rate_micro: int | None = None) -> dict:
+    """Seconds per optimizer step, by item and by phase (io: io_phases' bytes; step: step_phase's answer).
+    `rates.layer_s` was measured at `rate_micro` samples (default `micro`) and is scaled to `micro`; compute and
+    module hooks count once per micro-batch."""
     tokens = micro * shape.seq
     passes = 8 if shape.checkpoint else 6  # forward 2, backward 4, recompute 2 FLOPs per param per token
     flops = passes * shape.numel * tokens + passes * shape.layers * shape.seq * shape.seq * shape.dim * micro
@@ -379,27 +561,37 @@ def step_time(shape: ModelShape, rates: Rates, *, micro: int, shard: int, reads:
         compute += 6 * rest * tokens / (rates.flops * MODEL_EFFICIENCY)
     else:
         compute = flops / (rates.flops * MODEL_EFFICIENCY)
-    compute *= grad_accum
-    adam = shard / rates.adam_params_s
-    copies = (reads + writes) / rates.memcpy_bytes_s
-    if checksums and rates.crc_bytes_s:
-        copies += (reads + writes) / rates.crc_bytes_s
-    io = 0.0
-    if reads or writes:
-        # The ranks on this host share its disk (and its cores, below): each waits for all of them.
-        io = world * (reads / rates.disk_read_bytes_s + writes / rates.disk_write_bytes_s)
+    compute += tokens * shape.vocab * PER_LOGIT_S
     # Each module with parameters is gathered and released in forward and in backward (and again when a
     # checkpointed layer is recomputed): hooks, pool bookkeeping, futures.
-    hooks = (3 if shape.checkpoint else 2) * shape.modules * PER_MODULE_S[param_tier] * grad_accum
-    compute += hooks
+    gathers = 3 if shape.checkpoint else 2
+    hooks = gathers * shape.modules * PER_MODULE_S[param_tier]
+    # Forward is 2 of the `passes` FLOPs per parameter and token, and one of the gathers.
+    forward = compute * 2 / passes + hooks / gathers
+    per_micro = compute + hooks
+    compute, hooks = per_micro * grad_accum, hooks * grad_accum
+    adam = shard / rates.adam_params_s
     # Per-parameter engine work every step: zeroing and accumulating fp32 gradients, dtype conversions,
-    # norms, copies of gathered shards.
+    # norms, copies of gathered shards (in backward).
     engine = shard * PER_PARAM_S
-    cpu = compute + adam + copies + engine
-    if not _cuda():  # CPU training: the local ranks share this host's cores
-        cpu *= world
-    step = io + OVERLAP_LEAK["io_bound"] * cpu if io >= cpu else cpu + OVERLAP_LEAK["cpu_bound"] * io
-    return {"step": step, "compute": compute, "adam": adam, "copies": copies, "engine": engine, "io": io}
+    cores = 1 if _cuda() else world  # CPU training: the local ranks share this host's cores
+    per_byte = 1 / rates.memcpy_bytes_s + (1 / rates.crc_bytes_s if checksums and rates.crc_bytes_s else 0)
+    where = {"backward": "rest", "forward": "forward", "after": "after"}[step]
+    cpu = {"forward": forward, "rest": compute - forward + engine, "after": 0.0}
+    cpu[where] += adam
+    phases, disk, copies = {}, 0.0, 0.0
+    for name, (r, w) in io.items():
+        c = (cpu[name] + (r + w) * per_byte) * cores
+        copies += (r + w) * per_byte
+        # The ranks on this host share its disk: each waits for all of them.
+        d = 0.0
+        if r or w:
+            rt, wt = r / rates.disk_read_bytes_s, w / rates.disk_write_bytes_s
+            d = world * (max(rt, wt) + DUPLEX_SHARE * min(rt, wt))
+        disk += d
+        phases[name] = _overlap(c, d)
+    return {"step": sum(phases.values()), "compute": compute, "adam": adam, "copies": copies, "engine": engine,
+            "io": disk, "step_phase": step, **{f"{k}_s": v for k, v in phases.items()}}
 
 
 def _cuda() -> bool:
