@@ -79,6 +79,18 @@ class _SliceFuture:
         return self._view
 
 
+class _Staged:
+    """What swap_in returns for a staged shard: its values are in the buffer already; nothing was read."""
+
+    from_memory = True
+
+    def __init__(self, view):
+        self._view = view
+
+    def wait(self):
+        return self._view
+
+
 class OptimizerSliceReader:
     """The scheduler's reader in alias mode: swap_in/release like a TensorSwapper, over slices of the optimizer's
     files that hold shards in `dtype` (fp32: the master; a compute dtype: the tail)."""
@@ -92,6 +104,7 @@ class OptimizerSliceReader:
         self.where: dict[str, list] = {}  # sid -> its pieces, in order: (path, byte offset, elements, at, key)
         self.crc: dict[str, int] = {}  # by piece key
         self._held: dict = {}
+        self._staged: dict = {}  # sid -> a pool buffer holding the shard's newest values (stage())
 
     @staticmethod
     def key(sid: str, at: int) -> str:
@@ -137,10 +150,42 @@ class OptimizerSliceReader:
 
         swapper.on_next_write(state_id, take)
 
+    def stage(self, sid: str, values: torch.Tensor) -> bool:
+        """Keep a copy of shard `sid`'s new values (the optimizer just produced them and their write is in
+        flight) in a free pool buffer, for the next swap_in of `sid` instead of a read of the file that must wait
+        for the write (see [Note: stepped shards are staged] in engine/deferred.py). False, and nothing kept,
+        when no buffer is free beyond the one the critical path needs."""
+        if sid in self._staged:
+            raise RuntimeError(f"OptimizerSliceReader: {sid} is already staged")
+        buf = self.pool.try_acquire(f"stage {sid}", reserve=1)
+        if buf is None:
+            return False
+        try:
+            buf.view(self.dtype, values.numel()).copy_(values)
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        self._staged[sid] = (buf, values.numel())
+        return True
+
+    def staged(self, sid: str) -> bool:
+        return sid in self._staged
+
+    def drop_staged(self) -> None:
+        """Give back every staged copy not taken (before the optimizer next changes the state)."""
+        staged, self._staged = self._staged, {}
+        for buf, _ in staged.values():
+            self.pool.release(buf)
+
     def swap_in(self, sid: str, *, prefetch: bool = False, reserve: int = 0):
-        pieces = self.where[sid]
         if sid in self._held:
             raise RuntimeError(f"OptimizerSliceReader: {sid} is already being read")
+        staged = self._staged.pop(sid, None)
+        if staged is not None:
+            buf, numel = staged
+            self._held[sid] = buf
+            return _Staged(buf.view(self.dtype, numel))
+        pieces = self.where[sid]
         buf = self.pool.try_acquire(f"read {sid}", reserve=reserve) if prefetch else self.pool.acquire(f"read {sid}")
         if buf is None:
             return None

@@ -29,6 +29,29 @@ been read get their Adam and their write, and the next groups' reads start
 while a buffer is free. So the optimizer's reads and writes run under the
 next forward's compute instead of after backward.
 
+[Note: stepped shards are staged]
+In alias mode a shard's file holds its new values only once its group's
+write has landed, so a forward that reached a group the walk had just
+stepped waited for that write and then read the shard back: 2 B/param of
+reads after 14 of writes, on the critical path, and a prefetch of it could
+not start before (at 1B, 52 % of fetches hit). But the new values are in
+the group's buffer the moment Adam has run. So, right after a group's Adam,
+the walk copies each of its whole shards (in the dtype forward reads: the
+compute-dtype tail, or the fp32 master) into a free parameter-pool buffer
+(`OptimizerSliceReader.stage`, reserve 1 like any prefetch), and the next
+read of that shard takes the copy instead of the file: no read, no wait for
+the write. A shard is ready for prefetch once it is stepped and staged (or
+written), and a prefetch that finds its group not yet stepped first steps
+what has been read (`poll`), so the copies are made ahead of forward. A
+copy is taken once; the ones not taken are given back before the optimizer
+next changes the state (its next step, a checkpoint import), when the walk
+is abandoned, and at close. Groups stepped only to settle the walk (at
+backward's start, a checkpoint) are not staged: nobody is about to read them.
+A shard split over sub-groups is not staged (its pieces are stepped
+apart); nor is one when no buffer is free: those are read from the file
+after the write, as before. The pool's buffers bound what is staged, so
+this holds no memory the prefetch would not.
+
 The result is the same step, bit for bit: the same gradients, the same
 clip coefficient, the same hyper-parameters per group, applied to the same
 state; only when each group's I/O happens changes. In alias mode (shards
@@ -84,15 +107,16 @@ class DeferredStep:
         return self.next == len(self.groups)
 
     def ready(self, mp) -> bool:
-        """mp's shards hold this step's values (and, in alias mode, their files do). A failed write reads as not
-        ready: need() raises it."""
+        """mp's shards hold this step's values (and, in alias mode, their files do, or a staged copy does). A
+        failed write reads as not ready: need() raises it."""
+        staged = self.wait_writes and self._staged(mp)
         for g in self.optimizer.groups_of.get(id(mp), ()):
             k = self.pos.get(g.index)
             if k is None:
                 continue
             if k >= self.next:
                 return False
-            if self.wait_writes:
+            if self.wait_writes and not staged:
                 try:
                     if not self.pipe.written(g.state):
                         return False
@@ -108,8 +132,8 @@ class DeferredStep:
         if groups:
             last = max(self.pos[g.index] for g in groups)
             while self.next <= last:
-                self._run_next()
-            if self.wait_writes:
+                self._run_next(stage=True)
+            if self.wait_writes and not self._staged(mp) and not self._prefetched(mp):
                 for g in groups:
                     self.pipe.wait_written(g.state)
         self.poll()
@@ -118,7 +142,7 @@ class DeferredStep:
     def poll(self) -> None:
         """Step every group whose state has already been read, then start reads ahead while buffers are free."""
         while not self.done and self.groups[self.next].state.ready() and self.groups[self.next].state.read_landed():
-            self._run_next()
+            self._run_next(stage=True)
         self.pipe.reap()
         for g in self.groups[self.next:]:
             if not g.state.io_bytes:
@@ -131,7 +155,7 @@ class DeferredStep:
         """Finish every remaining group and wait for every write."""
         t0 = time.perf_counter()
         while not self.done:
-            self._run_next()
+            self._run_next(stage=False)  # what forward did not need: nobody is about to read its shards
         self.pipe.finish()
         self.wait_s += time.perf_counter() - t0
 
@@ -140,6 +164,8 @@ class DeferredStep:
         groups not stepped keep their old state and lose their gradients, so the next backward does not add onto
         this step's."""
         self.pipe.abandon()
+        if self.wait_writes:  # a copy may be of a group whose step failed part-way: reads go to the files
+            self.optimizer.store.alias.drop_staged()
         left = self.groups[self.next:]
         for g in left:
             g.state.abandon()  # a read started for it and not yet taken by the walk
@@ -151,10 +177,32 @@ class DeferredStep:
                         "not stepped and keep their previous values (their gradients are dropped); restart from a "
                         "checkpoint for an exact run", len(left), len(self.groups))
 
-    def _run_next(self) -> None:
+    def _staged(self, mp) -> bool:
+        return self.optimizer.store.alias.staged(mp.home.swap_id(mp))
+
+    def _prefetched(self, mp) -> bool:
+        """A prefetch of mp's shard is in flight: it started once ready() said so, so it reads no stale file."""
+        scheduler = self.optimizer.store.scheduler
+        return scheduler is not None and mp.home.swap_id(mp) in scheduler.inflight
+
+    def _stage(self, g, views) -> None:
+        """Copy g's whole shards' new values into free parameter-pool buffers (see [Note: stepped shards are
+        staged]), until none is free."""
+        reader = self.optimizer.store.alias
+        src = views.lowp if views.lowp is not None else views.param
+        for mp, off in zip(g.params, g.offsets):  # a group that is not a piece holds whole shards
+            if not reader.stage(mp.home.swap_id(mp), src[off:off + mp.part]):
+                return
+
+    def _run_next(self, *, stage: bool) -> None:
         g = self.groups[self.next]
         after = self.groups[self.next + 1].state if self.next + 1 < len(self.groups) else None
-        self.pipe.run(g.state, self.works[g.index], then=after)
+        work = self.works[g.index]
+        if stage and self.wait_writes and not g.split:
+            def work(views, adam=work, g=g):
+                adam(views)
+                self._stage(g, views)
+        self.pipe.run(g.state, work, then=after)
         self.next += 1
         g.grad = None  # its gradient has been used; the next backward starts a new buffer
         for mp in g.params:

@@ -56,6 +56,9 @@ class StepReport:
     param_lent: int
     """Fetches served from the optimizer's master weights instead of a read (see [Note: backward reads from
     the state] in optimizer.py)."""
+    param_staged: int
+    """Fetches served from a copy the step finished in forward staged (see [Note: stepped shards are staged] in
+    deferred.py)."""
     param_stall_s: float
     """Exposed parameter I/O: time forward/backward waited on shard reads."""
     optimizer_io_wait_s: float
@@ -326,7 +329,7 @@ class Engine(ModuleSurface):
             step=self.global_steps + self.skipped_steps, skipped=overflow, loss_scale=self.scaler.scale,
             grad_norm=norm, step_s=t1 - self._t_last, optimizer_s=t1 - t0,
             param_fetches=sum(s.fetches for s in fs), prefetch_hits=sum(s.hits for s in fs),
-            param_lent=sum(s.lent for s in fs), param_stall_s=sum(s.stall_s for s in fs),
+            param_lent=sum(s.lent for s in fs), param_staged=sum(s.staged for s in fs), param_stall_s=sum(s.stall_s for s in fs),
             optimizer_io_wait_s=stats.io_wait_s + self.optimizer.deferred_wait_s - self._deferred_mark,
             param_read_bytes=sum(s.bytes_read for s in fs), optimizer_read_bytes=stats.bytes_read,
             optimizer_write_bytes=stats.bytes_written,

@@ -107,6 +107,7 @@ in the sub-groups, not in `state`.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -225,6 +226,7 @@ class ShardedAdam(torch.optim.Optimizer):
         store.grad_ready = self.grad_ready
         store.lend = self.lend
         store.need = self.need
+        store.advance = self.advance
         self._init_state(off.ratio)
 
     @property
@@ -429,8 +431,15 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------- step during backward
 
+    def _drop_staged(self) -> None:
+        """Before the state changes: the copies the last deferred step staged and nobody took go back ([Note:
+        stepped shards are staged] in deferred.py)."""
+        if self.store.alias is not None:
+            self.store.alias.drop_staged()
+
     def begin_overlapped_step(self) -> None:
         """Before the last micro-batch's backward: step each group as soon as its gradient is final."""
+        self._drop_staged()
         self.step_count += 1
         self._overlap_hyper = dict(step=self.step_count, grad_scale=1.0)
         self._overlap_sq = 0.0
@@ -522,6 +531,7 @@ class ShardedAdam(torch.optim.Optimizer):
         ([Note: the step finishes in the next forward] in deferred.py).
         """
         self.settle()
+        self._drop_staged()
         early, self._early = self._early, []  # read_ahead_for_step's reads: this walk's now
         self._expecting = False
         try:
@@ -634,6 +644,20 @@ class ShardedAdam(torch.optim.Optimizer):
         if finished:
             self.settle()
 
+    def advance(self) -> None:
+        """Step what the deferred walk has read and start more reads, without waiting (a prefetch that found a
+        shard's group not yet stepped asks); an error abandons the walk as need()'s does."""
+        deferred = self._deferred
+        if deferred is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            deferred.poll()
+        except BaseException:
+            self._take_deferred().abandon()
+            raise
+        deferred.wait_s += time.perf_counter() - t0
+
     def _adam_work(self, g: _Group, hyper: dict):
         """What the pipeline does with a group's state in a step: Adam, then the new weights to the store."""
         def work(views) -> None:
@@ -702,6 +726,7 @@ class ShardedAdam(torch.optim.Optimizer):
         load_checkpoint verifies the whole checkpoint before it calls this.
         """
         self.settle()
+        self._drop_staged()
         self.expect_step(False)
         busy = [g.index for g in self.groups if not g.state.at_rest()]
         if busy:
@@ -731,6 +756,7 @@ class ShardedAdam(torch.optim.Optimizer):
         deferred = self._take_deferred()
         if deferred is not None:  # the swap files go with the engine: the rest of the step would be written for
             deferred.abandon(quiet=True)  # nobody
+        self._drop_staged()
         self.expect_step(False)
         if self.swap is not None:
             self.swap.close()

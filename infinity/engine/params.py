@@ -265,6 +265,7 @@ class ParamStore:
         self.lend = None  # set by the optimizer: mp -> its master weights from the group state, or None
         self.pending = None  # the optimizer's DeferredStep while the last step is unfinished (deferred.py)
         self.need = None  # set by the optimizer: before a read of mp's shard, finish pending's groups of mp
+        self.advance = None  # set by the optimizer: step what pending has read, without waiting
         self.first_use: dict[int, int] = {}  # mp.index -> its place in the order forwards first gathered them
         self.reduce_bucket = 1 << 62  # zero_optimization.reduce_bucket_size (build_store sets it)
         self._bucket: list = []

@@ -60,6 +60,9 @@ class PrefetchStats:
     bytes_read: int = 0
     lent: int = 0
     """Fetches served from the optimizer's master weights (no read of their own)."""
+    staged: int = 0
+    """Fetches served from a copy the deferred step staged as it stepped the shard (no read of their own, see
+    [Note: stepped shards are staged] in deferred.py)."""
     recorded: bool = False
     """This step recorded the trace (its fetches are all misses by design)."""
 
@@ -134,7 +137,11 @@ class PrefetchScheduler:
                 fut, lent = self._start(mp, sid, self.in_backward)
             self._busy = sid  # its buffer is still ours: no prefetch of the same partition until released
             try:
-                self._prefetch()
+                try:
+                    self._prefetch()
+                except BaseException:  # the fetch's own read must not keep its buffer
+                    self._let_go(sid, fut, lent)
+                    raise
                 t0 = time.perf_counter()
                 try:
                     view = fut.wait()
@@ -150,6 +157,8 @@ class PrefetchScheduler:
                 self._busy = None
             if lent:
                 st.lent += 1
+            elif getattr(fut, "from_memory", False):  # a staged copy (alias.py)
+                st.staged += 1
             else:
                 st.bytes_read += view.numel() * view.element_size()
             self._prefetch()
@@ -168,7 +177,10 @@ class PrefetchScheduler:
         prefetch finds no free buffer). `backward`: the use is backward's."""
         pending = self.store.pending
         if prefetch and pending is not None and not pending.ready(mp):
-            return None, False  # its group's step is not finished: a later fetch tries again
+            self.store.advance()  # step what has been read: its shards are staged, or their writes start sooner
+            pending = self.store.pending  # None once the walk is settled
+            if pending is not None and not pending.ready(mp):
+                return None, False  # its group's step is not finished: a later fetch tries again
         lend = self.store.lend
         fut = lend(mp, backward=backward) if lend is not None and mp.trainable else None
         if fut is not None:
@@ -256,15 +268,19 @@ class PrefetchScheduler:
             j += 1
         self.ahead = j
 
+    def _let_go(self, sid: str, fut, lent: bool) -> None:
+        """A read nobody will use: let it land and give its buffer back, quietly."""
+        try:
+            fut.wait()
+            if not lent:
+                self.swapper.release(sid)
+        except BaseException:  # noqa: BLE001 - the read's error belongs to no one now; the file is unchanged
+            pass
+
     def _forget_pending(self) -> None:
         """Drop unused prefetches and the reuse cache."""
         for sid, (fut, _, lent) in list(self.inflight.items()):
-            try:
-                fut.wait()
-                if not lent:
-                    self.swapper.release(sid)
-            except BaseException:  # noqa: BLE001 - the read's error belongs to no one now; the file is unchanged
-                pass
+            self._let_go(sid, fut, lent)
         self.inflight.clear()
         self._drop_cache()
 
