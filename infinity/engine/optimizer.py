@@ -107,7 +107,6 @@ in the sub-groups, not in `state`.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -634,29 +633,26 @@ class ShardedAdam(torch.optim.Optimizer):
     def need(self, mp) -> None:
         """Before a read of mp's shard: its deferred groups are finished (see [Note: the step finishes in the
         next forward])."""
+        self._walk(lambda deferred: deferred.need(mp))
+
+    def advance(self) -> None:
+        """Step what the deferred walk has read and start more reads, without waiting (a prefetch that found a
+        shard's group not yet stepped asks)."""
+        if self._deferred is not None:
+            self._walk(lambda deferred: deferred.advance())
+
+    def _walk(self, ask) -> None:
+        """ask(the pending DeferredStep); an error abandons the walk, and a walk left with nothing in flight is
+        settled."""
         deferred = self._deferred
         try:
-            deferred.need(mp)
+            ask(deferred)
             finished = deferred.done and deferred.pipe.idle()
         except BaseException:
             self._take_deferred().abandon()
             raise
         if finished:
             self.settle()
-
-    def advance(self) -> None:
-        """Step what the deferred walk has read and start more reads, without waiting (a prefetch that found a
-        shard's group not yet stepped asks); an error abandons the walk as need()'s does."""
-        deferred = self._deferred
-        if deferred is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            deferred.poll()
-        except BaseException:
-            self._take_deferred().abandon()
-            raise
-        deferred.wait_s += time.perf_counter() - t0
 
     def _adam_work(self, g: _Group, hyper: dict):
         """What the pipeline does with a group's state in a step: Adam, then the new weights to the store."""
