@@ -1,6 +1,6 @@
 """The shipped configs without a budget, at common sizes: peak RSS, step time and prefetch hit rate for
-everything in RAM, the optimizer on NVMe, and both on NVMe (the README's table for the issue "Offload that
-saves memory by default").
+everything in RAM, the optimizer on NVMe, and both on NVMe (bench/RESULTS.md, "Memory-saving
+defaults").
 
 Each (model, config) pair is a fresh `infinity train --model M --config C --steps N` process; the figures
 are its own: the peak RSS of the run (`peak_rss_bytes`, sampled), the median step time after the first step

@@ -18,8 +18,8 @@ each) on first touch, and is unmapped at free. On the 2-core reference VM the
 bf16 `infinity bench train` step spends a fifth to a third of its time there: with
 the threshold at 32 MiB the NVMe step took 0.75 s instead of 0.95 s (best of
 3 rounds; 21 % less), and the all-RAM step 0.56 s instead of 0.82 s (32 %
-less), for about 100 MiB more peak RSS (README, "Where the rest of the bf16
-step goes"). The same 32 MiB
+less), for about 100 MiB more peak RSS (bench/RESULTS.md, "Where the rest
+of the bf16 step goes"). The same 32 MiB
 doubled what the training steps of `memory_run` (parity.py) held above their
 baseline (69 to 143 MiB: the heap's fragmentation), and took the
 construction tests well past their bound, which is why it is an opt-in for

@@ -15,8 +15,8 @@ from infinity.io.future import IOFuture
 from infinity.io.python_backend import PythonHandle
 
 # Preference order for "auto". On the reference machine libaio and io_uring
-# both reach the disk's limit at 1 MiB x QD32 (README, `infinity bench io
-# --sweep`); io_uring comes first because it needs no aio-max-nr headroom
+# both reach the disk's limit at 1 MiB x QD32 (bench/RESULTS.md,
+# "Native I/O against fio"); io_uring comes first because it needs no aio-max-nr headroom
 # and also does buffered I/O asynchronously.
 _PREFERENCE = ("io_uring", "libaio", "threads", "python")
 

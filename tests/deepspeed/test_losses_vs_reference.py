@@ -2,7 +2,7 @@
 weight decay 0.1 and 0.0, AdamW betas (0.9, 0.95), gradient_clipping, accumulation 4, WarmupDecayLR 3 of 8),
 pinned against plain torch.
 
-What the drift was (README, "Losses against DeepSpeed"): in fp32 DeepSpeed 0.19.8, infinity and torch's AdamW
+What the drift was (bench/RESULTS.md, "Losses against DeepSpeed"): in fp32 DeepSpeed 0.19.8, infinity and torch's AdamW
 give the same losses bit for bit (measured on none and cpu offload; the figures are pinned below). In bf16
 DeepSpeed departs from the fp32-precision reference twice: its fp32 master weights are copied from the model
 after it was cast to bf16, so the user's fp32 init is rounded away, and it adds the micro-batches' gradients
