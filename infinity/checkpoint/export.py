@@ -24,7 +24,7 @@ from infinity.checkpoint.layout import (STATES, CheckpointCorruptionError, Check
 from infinity.checkpoint.load import resolve
 from infinity.checkpoint.stream import ChunkReader
 from infinity.dtypes import BY_NAME
-from infinity.swap.checksum import crc32c
+from infinity.io.checksum import crc32c
 
 PIECE = 16 << 20
 _ST_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -239,7 +239,7 @@ def canonical(obj) -> bytes:
 def crc_of(obj) -> int:
     import torch
 
-    from infinity.swap.checksum import crc32c
+    from infinity.io.checksum import crc32c
 
     data = canonical(obj)
     return crc32c(torch.frombuffer(bytearray(data), dtype=torch.uint8), len(data)) if data else 0

@@ -33,6 +33,7 @@ from infinity.checkpoint.layout import (FORMAT, PARTIAL_SUFFIX, STATES, VERSION,
                                         partial_dir, read_latest, sync_filesystem, write_json, write_latest)
 from infinity.checkpoint.stream import ChunkWriter, open_io
 from infinity.dtypes import name_of
+from infinity.engine.comm import together as comm_together
 from infinity.engine.params import managed
 
 # zarr v3 has no bfloat16: such arrays are stored as uint16 with the real dtype in their attributes.
@@ -42,26 +43,8 @@ ZARR_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16
 
 
 def together(comm, what: str, fn, on_failure=None):
-    """Run fn on every rank, then agree; if any rank failed, every rank raises (after on_failure)."""
-    err = None
-    out = None
-    try:
-        out = fn()
-    except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
-        err = exc
-    try:
-        ok = comm.all_ok(err is None)
-    except BaseException:  # a rank died or hung (RankFailure): clean up what we can, then say so
-        if on_failure is not None:
-            on_failure()
-        raise
-    if not ok:
-        if on_failure is not None:
-            on_failure()
-        if err is not None:
-            raise err
-        raise CheckpointError(f"checkpoint {what} failed on another rank (its own error says why)")
-    return out
+    """comm.together for a phase of a checkpoint: the other ranks raise CheckpointError."""
+    return comm_together(comm, f"checkpoint {what}", fn, on_failure, error=CheckpointError)
 
 
 def extra_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

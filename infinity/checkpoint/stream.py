@@ -15,7 +15,7 @@ import torch
 
 from infinity.checkpoint.layout import CheckpointCorruptionError, CheckpointError
 from infinity.io import AsyncIO, aligned_empty
-from infinity.swap.checksum import crc32c, crc32c_combine
+from infinity.io.checksum import crc32c, crc32c_combine
 from infinity.swap.tier import HOST
 
 PIECE = 4 << 20  # bytes per verification read

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infinity.config.tier import Tier
+
 
 def spec(default, *, low=None, high=None, choices=None, kind=None, default_factory=None):
     """A field with its checks: numeric bounds, allowed strings, or an explicit kind."""
@@ -38,6 +40,11 @@ class OffloadParamConfig:
     RAM; infinity's default 0 puts every shard on NVMe, as device nvme says."""
     pin_memory: bool = spec(False)
     """Page-lock the buffers (cudaHostRegister) for asynchronous device copies."""
+
+    @property
+    def tier(self) -> Tier:
+        """`device`, parsed."""
+        return Tier(self.device)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +75,11 @@ class OffloadOptimizerConfig:
     ratio: float = spec(1.0, low=0.0, high=1.0)
     """Fraction of the optimizer's sub-groups to offload (DeepSpeed's Twin-Flow; stage 3 with device cpu): the first
     int(ratio x count) sub-groups go to the CPU, the rest stay on the compute device and are stepped there."""
+
+    @property
+    def tier(self) -> Tier:
+        """`device`, parsed."""
+        return Tier(self.device)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -303,7 +315,7 @@ INERT_REASONS = {
     "gradient_predivide_factor": "gradients are averaged in fp32, where the order does not matter",
     "communication_data_type": "gradients are reduced in fp32",
     "data_types": "gradients are accumulated and reduced in fp32 (DeepSpeed's grad_accum_dtype defaults to bf16 "
-                  "with bf16; README: Losses against DeepSpeed)",
+                  "with bf16; bench/RESULTS.md: Losses against DeepSpeed)",
     "zero_optimization.allgather_bucket_size": "parameters are gathered one at a time, ahead of use",
     "zero_optimization.allgather_partitions": "parameters are gathered one at a time, ahead of use",
     "zero_optimization.reduce_scatter": "gradients are always reduce-scattered",

@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from infinity.errors import SwapCorruptionError
-from infinity.swap.checksum import crc32c, crc32c_combine
+from infinity.io.checksum import crc32c, crc32c_combine
 from infinity.swap.swapper import HEADER, wait_all
 
 PENDING = -1  # no CRC-32C is negative: the shard's new values are not known to be in its file yet

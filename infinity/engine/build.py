@@ -10,7 +10,6 @@ from infinity.config import Config, load_config
 from infinity.engine import lifetime
 from infinity.engine.comm import Comm
 from infinity.engine.params import ParamStore
-from infinity.engine.scheduler import PrefetchScheduler
 from infinity.swap.tier import HOST, Tier
 
 
@@ -38,20 +37,17 @@ def build_store(cfg: Config, comm: Comm, *, largest_shard_numel: int | None = No
     from infinity.swap import SwapContext
 
     zero = cfg.zero_optimization
-    tier = Tier(zero.offload_param.device) if zero.stage == 3 else Tier.DEVICE
+    tier = zero.offload_param.tier if zero.stage == 3 else Tier.DEVICE
     swap = SwapContext.for_params(cfg, rank=comm.rank, largest_shard_numel=largest_shard_numel) \
         if tier is Tier.NVME else None
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
     store = ParamStore(comm, tier=tier, dtype=compute_dtype(cfg), device=compute_device(), persistence=persistence,
-                       stage=zero.stage, swap=swap, max_in_cpu=zero.offload_param.max_in_cpu)
+                       stage=zero.stage, swap=swap, max_in_cpu=zero.offload_param.max_in_cpu,
+                       max_live=zero.stage3_max_live_parameters, reduce_bucket=zero.reduce_bucket_size,
+                       prefetch_bucket=zero.stage3_prefetch_bucket_size, reuse_distance=zero.stage3_max_reuse_distance)
     lifetime.track(store, remove_at_exit=cfg.infinity.remove_swap_at_exit)  # [Note: swap files die with the process]
     if swap is not None:  # kept alive by its reaper threads until closed, even once the store is collected
         lifetime.track(swap.swapper, remove_at_exit=cfg.infinity.remove_swap_at_exit)
-    store.max_live = zero.stage3_max_live_parameters
-    store.reduce_bucket = zero.reduce_bucket_size
-    if swap is not None:
-        store.scheduler = PrefetchScheduler(store, zero.stage3_prefetch_bucket_size,
-                                            zero.stage3_max_reuse_distance)
     return store
 
 

@@ -43,7 +43,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from infinity.errors import RankFailure  # noqa: F401 - raised here, defined there
+from infinity.errors import InfinityError, RankFailure
 
 if not dist.is_initialized():
     # Before any group exists; see [Note: a process group that outlives destroy_process_group].
@@ -165,6 +165,32 @@ class Comm:
     def failure(self, name: str, exc: BaseException) -> RankFailure:
         return RankFailure(f"infinity: {name} failed on rank {self.rank} of {self.world} ({exc}); another rank "
                            "probably died or hung. See [Note: dead ranks] in infinity/engine/comm.py")
+
+
+def together(comm: Comm, what: str, fn, on_failure=None, error: type[InfinityError] = RankFailure):
+    """Run fn on every rank, then agree; if any rank failed, every rank raises (after on_failure).
+
+    The failing rank raises its own error; the others raise `error` ("<what> failed on another rank"). `what`
+    names the phase as a user would read it ("checkpoint write", "the disk-room check")."""
+    err = None
+    out = None
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
+        err = exc
+    try:
+        ok = comm.all_ok(err is None)
+    except BaseException:  # a rank died or hung (RankFailure): clean up what we can, then say so
+        if on_failure is not None:
+            on_failure()
+        raise
+    if not ok:
+        if on_failure is not None:
+            on_failure()
+        if err is not None:
+            raise err
+        raise error(f"{what} failed on another rank (its own error says why)")
+    return out
 
 
 class Pending:

@@ -215,8 +215,3 @@ def _restore_aliases(func, out, args, kwargs):
     return out
 
 
-def end_access(store) -> None:
-    mode = getattr(store, "access", None)
-    if mode is not None:
-        mode.close()
-        store.access = None

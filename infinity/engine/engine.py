@@ -22,8 +22,7 @@ from infinity.config import Config, ConfigError
 from infinity.config.resolve import resolve_auto, resolve_batch
 from infinity.engine import lifetime
 from infinity.engine.build import as_config, build_store, pool_shard_numel
-from infinity.engine.construct import end_access
-from infinity.engine.comm import init_distributed
+from infinity.engine.comm import init_distributed, together
 from infinity.engine.hooks import ParamHooks
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.memory import CONSTRUCTION, set_mmap_threshold
@@ -117,9 +116,8 @@ class Engine(ModuleSurface):
         self._t_last = time.perf_counter()
         self._fetch_stats = []
         self._overlapped = None  # the result of a step taken during backward, for step() to report
-        self.trace = Trace() if cfg.infinity.trace_path else None
+        self.trace = optimizer.trace
         """Spans of forward, backward, step and the optimizer's I/O and Adam (infinity.trace_path), written at close."""
-        optimizer.trace = self.trace
         self._forced_boundary = None  # set_gradient_accumulation_boundary
         self._said_no_sync = False
         self._param_written_mark = self._param_bytes_written()
@@ -315,7 +313,6 @@ class Engine(ModuleSurface):
                                                             max_norm=self.config.gradient_clipping,
                                                             defer=self._can_defer_step())
         self.scaler.update(overflow)
-        self.optimizer.overflow = overflow
         if overflow:
             self.skipped_steps += 1
         else:
@@ -342,7 +339,7 @@ class Engine(ModuleSurface):
         self._gathered_mark = self.store.bytes_gathered
         self._fetch_stats = []
         self._param_written_mark = self._param_bytes_written()
-        self.store.peak_live_elements = self.store.live_elements
+        self.store.reset_peak()
         self._t_last = t1
         return not overflow
 
@@ -481,7 +478,7 @@ class Engine(ModuleSurface):
         if micro_steps is not None:
             self.micro_steps = self.micro_steps_at_last_step = micro_steps
         if optimizer_steps is not None:
-            self.optimizer.step_count = optimizer_steps
+            self.optimizer.restore_step_count(optimizer_steps)
 
     def forget_gradients(self) -> None:
         """Drop every gradient accumulated so far and any step taken during backward: they belong to the
@@ -593,9 +590,8 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     if store is None:
         store = current_store() or build_store(cfg, comm,
                                                largest_shard_numel=pool_shard_numel(cfg, model, comm.world))
-    store.reduce_bucket = cfg.zero_optimization.reduce_bucket_size  # "auto" may have been filled from the model
-    if store.scheduler is not None:
-        store.scheduler.bucket = cfg.zero_optimization.stage3_prefetch_bucket_size
+    store.set_buckets(reduce_bucket=cfg.zero_optimization.reduce_bucket_size,  # "auto" may be the model's now
+                      prefetch_bucket=cfg.zero_optimization.stage3_prefetch_bucket_size)
     if not cfg.optimizer_given:
         hp = cfg.optimizer.params
         log.warning("infinity: the config has no optimizer section: training with %s lr %g, betas %s, eps %g, "
@@ -603,8 +599,6 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
                     tuple(hp.betas), hp.eps, hp.weight_decay)
     groups = param_groups(model, model_parameters)
     trained = {id(p) for g in groups for p in g["params"]}
-    from infinity.checkpoint.save import together
-
     def failed():
         if store is not current_store():
             store.close()  # what zero_init wrote goes too: nothing of a failed setup stays on disk
@@ -619,7 +613,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
         store.settle_staged()
         store.adopt_reassigned(store.params)
         store.sync_persistent()
-        end_access(store)
+        store.end_access()
         names = {}
         for name, p in model.named_parameters():
             names.setdefault(id(p), name)
@@ -642,7 +636,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     opt_swap = None
     fitted = ""
     try:
-        if Tier(cfg.zero_optimization.offload_optimizer.device) is Tier.NVME:
+        if cfg.zero_optimization.offload_optimizer.tier is Tier.NVME:
             by_group = [[managed(p) for p in g["params"]] for g in groups]
             ratio = cfg.zero_optimization.offload_optimizer.ratio
             # [Note: a large shard is split over sub-groups of its own]: where the shards live in its files or in RAM
@@ -664,15 +658,14 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
             # optimizer files go at exit all the same; [Note: swap files die with the process]. The swapper is
             # what is tracked: its reaper threads keep it alive until it is closed, whoever else lets go of it.
             lifetime.track(opt_swap.swapper, remove_at_exit=cfg.infinity.remove_swap_at_exit)
-        optimizer = ShardedAdam(store, cfg, comm, swap=opt_swap, param_groups=groups)
+        optimizer = ShardedAdam(store, cfg, comm, swap=opt_swap, param_groups=groups,
+                                trace=Trace() if cfg.infinity.trace_path else None)
     except BaseException:
         if opt_swap is not None:
             opt_swap.close()
         failed()
         raise
-    store.frozen = True
-    store.placeholders_to_compute_dtype()
-    store.fit_pool()  # [Note: the parameter pool shrinks after setup] in params.py
+    store.finish_setup()
     hooks = ParamHooks(store)
     hooks.install(model)
     hooks.guard_state_dict(model)
@@ -706,7 +699,7 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
     # file]) the trained ones are on the optimizer's filesystem.
     fp32_files = existing = final = opt_bytes = 0
     off_o = zero.offload_optimizer
-    tail = (store.tier is Tier.NVME and store.dtype != torch.float32 and Tier(off_o.device) is Tier.NVME
+    tail = (store.tier is Tier.NVME and store.dtype != torch.float32 and off_o.tier is Tier.NVME
             and zero.offload_param.max_in_cpu == 0 and off_o.ratio >= 1)
     if store.tier is Tier.NVME:
         compute = torch.empty((), dtype=store.dtype).element_size()
@@ -722,7 +715,7 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
         # the shards: counting them is conservative).
         final = sum(compute * part[k] for k in params if not (tail and k in trained)) if compute != 4 \
             else fp32_files
-    if Tier(off_o.device) is Tier.NVME:
+    if off_o.tier is Tier.NVME:
         per = state_bytes(MOMENT_DTYPES[off_o.moments_dtype]) + (store.dtype.itemsize if tail else 0)
         opt_bytes = per * sum(part[k] for k in trained)
     need: dict = {}  # filesystem -> [a path on it, bytes for parameters, bytes for the optimizer]

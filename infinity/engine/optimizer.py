@@ -164,9 +164,11 @@ class _Group:
 
 
 class ShardedAdam(torch.optim.Optimizer):
-    def __init__(self, store: ParamStore, cfg, comm: Comm, *, swap=None, param_groups: list[dict] | None = None):
+    def __init__(self, store: ParamStore, cfg, comm: Comm, *, swap=None, param_groups: list[dict] | None = None,
+                 trace=None):
         """param_groups: torch-style groups of the store's trainable parameters (see [Note: parameter
-        groups]); None means one group of all of them. Missing hyper-parameters come from the config."""
+        groups]); None means one group of all of them. Missing hyper-parameters come from the config. trace: a
+        telemetry.Trace (infinity.trace_path) the pipelines add their spans to, or None."""
         opt = cfg.optimizer
         hp = opt.params
         if hp.amsgrad:
@@ -180,7 +182,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.comm = comm
         off = cfg.zero_optimization.offload_optimizer
         self.pin = off.pin_memory and torch.cuda.is_available()  # page-locking means nothing without CUDA
-        self.tier = Tier(off.device)
+        self.tier = off.tier
         """Where offloaded sub-groups live; with ratio < 1 the others stay on the device ([Note: partial offload])."""
         self.moments = MOMENT_DTYPES[off.moments_dtype]
         """exp_avg and exp_avg_sq's dtype on every tier (offload_optimizer.moments_dtype)."""
@@ -215,17 +217,14 @@ class ShardedAdam(torch.optim.Optimizer):
         self._pipe: StatePipeline | None = None  # the step during backward's, between begin and end
         self._expecting = False  # the coming backward steps: backward-phase fetches may start its reads
         self._early: list[GroupState] = []  # state reads started for that step before it began
-        self.trace = None  # a telemetry.Trace (infinity.trace_path): the pipelines add their spans to it
+        self.trace = trace
+        self.overflow = False  # the last step's: an fp16 overflow skipped it (DeepSpeed's optimizer.overflow)
         self._overlap_sq = 0.0
         self._stepped_order: list[int] = []  # this step during backward's groups, in the order they stepped
         self._last_order: list[int] = []  # the last completed one's (see _read_ahead)
         self._deferred: DeferredStep | None = None  # the rest of the last step, finished by the next forward
         self.deferred_wait_s = 0.0  # what deferred steps made their callers wait, in all (the engine reports it)
-        store.grad_for = self.grad_for
-        store.grad_ready = self.grad_ready
-        store.lend = self.lend
-        store.need = self.need
-        store.advance = self.advance
+        store.attach(self)
         self._init_state(off.ratio)
 
     @property
@@ -507,6 +506,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.store.flush()
         self.store.refresh_persistent()
         sq = torch.tensor([self._overlap_sq], dtype=torch.float64)
+        self.overflow = False  # (a step during backward runs only where no overflow can skip it)
         return False, math.sqrt(self.comm.all_reduce_(sq).item()), pipe.stats
 
     def cancel_overlapped_step(self) -> None:
@@ -542,6 +542,7 @@ class ShardedAdam(torch.optim.Optimizer):
             for state in early:
                 state.abandon()
             raise
+        self.overflow = result[0]
         if result[0]:  # skipped: nothing read the state
             for state in early:
                 state.abandon()
@@ -607,15 +608,22 @@ class ShardedAdam(torch.optim.Optimizer):
         if later:
             self._deferred = DeferredStep(self, later, {g.index: works[g.index] for g in later}, stats,
                                           wait_writes=self.store.alias is not None)
-            self.store.pending = self._deferred
             self._deferred.poll()  # the first reads start now
         return False, norm, stats
 
     def _take_deferred(self) -> DeferredStep | None:
-        """The pending deferred step, if any, which from now on is the caller's: the optimizer and the store
-        forget it together."""
-        deferred, self._deferred, self.store.pending = self._deferred, None, None
+        """The pending deferred step, if any, which from now on is the caller's (the store asks `pending`)."""
+        deferred, self._deferred = self._deferred, None
         return deferred
+
+    @property
+    def pending(self) -> DeferredStep | None:
+        """The rest of the last step, which the next forward finishes (deferred.py), or None."""
+        return self._deferred
+
+    def restore_step_count(self, steps: int) -> None:
+        """Adam's step count, as a checkpoint recorded it (bias correction continues from there)."""
+        self.step_count = steps
 
     def settle(self) -> None:
         """Finish a deferred step (see [Note: the step finishes in the next forward]); a no-op without one."""

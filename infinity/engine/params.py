@@ -54,14 +54,17 @@ weights, the gradients and Adam's moments, so it stays zero.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from infinity.engine.comm import Comm
 from infinity.engine.homes import NvmeHome, RamHome
+from infinity.engine.scheduler import PrefetchScheduler
 from infinity.swap.tier import HOST, Tier
 
 
@@ -234,11 +237,37 @@ class PartitionedParameter(torch.nn.Parameter):
         return torch.empty(mp.part, dtype=mp.swap_dtype or self.dtype, device="meta")
 
 
+class OptimizerLink(Protocol):
+    """What a ParamStore asks of the optimizer that owns its master weights (ShardedAdam)."""
+
+    pending: object
+    """Its unfinished last step (deferred.DeferredStep), or None."""
+
+    def grad_for(self, mp: ManagedParam) -> torch.Tensor:
+        """mp's fp32 gradient shard, to add this backward's gradient into."""
+
+    def grad_ready(self, mp: ManagedParam) -> None:
+        """mp's gradient of this backward has been added."""
+
+    def lend(self, mp: ManagedParam, *, backward: bool):
+        """mp's master weights from the group state (a future), or None."""
+
+    def need(self, mp: ManagedParam) -> None:
+        """Before a read of mp's shard: finish the pending step's groups of mp."""
+
+    def advance(self) -> None:
+        """Step what the pending step has read, without waiting."""
+
+
 class ParamStore:
     """The shards of every managed parameter of one rank, and gather / release / write-back."""
 
     def __init__(self, comm: Comm, *, tier: Tier, dtype: torch.dtype, device: torch.device, persistence: int,
-                 stage: int, swap=None, scheduler=None, max_in_cpu: int = 0):
+                 stage: int, swap=None, max_in_cpu: int = 0, max_live: int = 1 << 62, reduce_bucket: int = 1 << 62,
+                 prefetch_bucket: int = 0, reuse_distance: int = 0):
+        """swap: a SwapContext-like (.pool, .swapper) for an NVMe tier, which then comes with a PrefetchScheduler
+        of prefetch_bucket elements ahead and reuse_distance (stage3_prefetch_bucket_size,
+        stage3_max_reuse_distance). max_live: stage3_max_live_parameters; reduce_bucket: reduce_bucket_size."""
         self.comm = comm
         self.tier = tier
         """Where shards go (offload_param.device); with NVMe, up to max_in_cpu elements stay in host RAM."""
@@ -252,29 +281,87 @@ class ParamStore:
         self.persistence = persistence
         self.stage = stage
         self.swap = swap  # SwapContext-like: .pool, .swapper (tier nvme only)
-        self.scheduler = scheduler
+        self.scheduler = PrefetchScheduler(self, prefetch_bucket, reuse_distance) if swap is not None else None
         self.params: list[ManagedParam] = []
         self.alias = None  # OptimizerSliceReader in alias mode (alias.py)
-        self.max_live = 1 << 62  # stage3_max_live_parameters (build_store sets it)
+        self.max_live = max_live
         self.live_elements = 0
         self.peak_live_elements = 0
         self.bytes_gathered = 0
-        self.frozen = False  # set by initialize(): from then on the optimizer owns the master weights
-        self.grad_for = None  # set by the optimizer: mp -> its fp32 gradient shard
-        self.grad_ready = None  # set by the optimizer: called once mp's gradient of this backward is added
-        self.lend = None  # set by the optimizer: mp -> its master weights from the group state, or None
-        self.pending = None  # the optimizer's DeferredStep while the last step is unfinished (deferred.py)
-        self.need = None  # set by the optimizer: before a read of mp's shard, finish pending's groups of mp
-        self.advance = None  # set by the optimizer: step what pending has read, without waiting
+        self.frozen = False  # from finish_setup() (end of initialize): the optimizer owns the master weights
+        self._optimizer: OptimizerLink | None = None  # attach(): who takes the gradients and owns the masters
         self.first_use: dict[int, int] = {}  # mp.index -> its place in the order forwards first gathered them
-        self.reduce_bucket = 1 << 62  # zero_optimization.reduce_bucket_size (build_store sets it)
+        self.reduce_bucket = reduce_bucket
         self._bucket: list = []
         self._bucket_elements = 0
         self._in_flight = None
-        self.defer_writes = False  # set while from_pretrained builds: adopt() skips writing the shards
+        self.defer_writes = False  # inside writes_deferred() (from_pretrained builds): adopt() skips writing shards
         self.access = None  # construct.PartitionedAccess while the model is being built (zero_init -> initialize)
+        self._closed = False
         self._staged: list = []  # [ManagedParam, full value, dirty]: see [Note: partitioned access]
         self._placeholders: dict[int, ManagedParam] = {}  # placeholder storage address -> its parameter
+
+    # ------------------------------------------------------------ wiring
+
+    def attach(self, optimizer: "OptimizerLink") -> None:
+        """From now on `optimizer` takes this store's gradients and may lend or stage shards (ShardedAdam, at
+        its construction)."""
+        self._optimizer = optimizer
+
+    def set_buckets(self, *, reduce_bucket: int, prefetch_bucket: int) -> None:
+        """reduce_bucket_size and stage3_prefetch_bucket_size as initialize resolved them ("auto" is filled in
+        from the model, which a store made under zero_init did not know yet)."""
+        self.reduce_bucket = reduce_bucket
+        if self.scheduler is not None:
+            self.scheduler.resize(prefetch_bucket)
+
+    def begin_access(self, access) -> None:
+        """Parameters are accessed through `access` (a construct.PartitionedAccess) while the model is built."""
+        self.access = access
+        access.__enter__()
+
+    def end_access(self) -> None:
+        """Construction is over (initialize, or a failed zero_init block): the access mode ends."""
+        if self.access is not None:
+            self.access.close()
+            self.access = None
+
+    @contextlib.contextmanager
+    def writes_deferred(self):
+        """Inside: adopt() keeps no values, the shards' values are loaded next (see [Note: streamed
+        from_pretrained] in pretrained.py)."""
+        self.defer_writes = True
+        try:
+            yield
+        finally:
+            self.defer_writes = False
+
+    def finish_setup(self) -> None:
+        """The end of initialize: the optimizer owns the master weights, the placeholders take the compute dtype
+        and the parameter pool shrinks to the training shards ([Note: the parameter pool shrinks after
+        setup])."""
+        self.frozen = True
+        self.placeholders_to_compute_dtype()
+        self.fit_pool()
+
+    def reset_peak(self) -> None:
+        """Start a new peak of live elements (each step report has its own)."""
+        self.peak_live_elements = self.live_elements
+
+    @property
+    def pending(self):
+        """The optimizer's unfinished last step (a deferred.DeferredStep), or None."""
+        return self._optimizer.pending if self._optimizer is not None else None
+
+    def lend(self, mp: ManagedParam, *, backward: bool):
+        """mp's shard from the optimizer's state instead of a read, or None (see [Note: backward reads from the
+        state] in optimizer.py)."""
+        return self._optimizer.lend(mp, backward=backward) if self._optimizer is not None else None
+
+    def advance(self) -> None:
+        """Let the optimizer's unfinished step go on with what it has read, without waiting."""
+        if self._optimizer is not None:
+            self._optimizer.advance()
 
     # ------------------------------------------------------------ partition
 
@@ -513,7 +600,7 @@ class ParamStore:
         if not self._stored(mp):
             return torch.zeros(mp.part, dtype=dtype or mp.home.dtype(mp))
         if self.pending is not None:
-            self.need(mp)
+            self._optimizer.need(mp)
         return mp.home.read(mp, dtype)
 
     def _stored(self, mp: ManagedParam) -> bool:
@@ -561,7 +648,7 @@ class ParamStore:
         if not self._stored(mp):
             return self._assemble(torch.zeros(mp.part, dtype=dtype), True)
         if self.pending is not None:
-            self.need(mp)
+            self._optimizer.need(mp)
         return mp.home.gather(mp, dtype, self._assemble, scheduled=scheduled)
 
     def _assemble(self, shard: torch.Tensor, owned: bool) -> torch.Tensor:
@@ -628,13 +715,13 @@ class ParamStore:
         mp = managed(param)
         g = param.grad
         param.grad = None
-        if g is None or self.grad_for is None or not mp.trainable:
+        if g is None or self._optimizer is None or not mp.trainable:
             return  # a parameter outside every optimizer group is not trained (see [Note: parameter groups])
         flat = g.reshape(-1).to(torch.float32)
         if self.comm.world == 1:  # [:numel]: a zero-size parameter still has a one-element shard
-            dst = self.grad_for(mp)
+            dst = self._optimizer.grad_for(mp)
             dst[:mp.numel].add_(flat.to(dst.device))
-            self.grad_ready(mp)
+            self._optimizer.grad_ready(mp)
             return
         pad = mp.part * self.comm.world - mp.numel
         if pad:
@@ -669,14 +756,14 @@ class ParamStore:
         mine = pending.wait()
         off = 0
         for mp in mps:
-            grad = self.grad_for(mp)
+            grad = self._optimizer.grad_for(mp)
             grad.add_(mine[off:off + mp.part].to(grad.device))
             off += mp.part
-            self.grad_ready(mp)
+            self._optimizer.grad_ready(mp)
 
     def swap_open(self) -> bool:
         """False once closed (an nvme store's swap files are gone)."""
-        return not getattr(self, "_closed", False)
+        return not self._closed
 
     def close(self) -> None:
         self._closed = True

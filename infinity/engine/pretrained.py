@@ -87,12 +87,8 @@ def load_pretrained(store, cls, name_or_path, model_args, kwargs):
                                                           return_unused_kwargs=True, **kwargs)
     files = weight_files(path, use_safetensors)
     store.settle_staged()
-    store.defer_writes = True
-    try:
-        with no_init_weights():
-            model = cls._from_config(config, dtype=torch.float32, **kwargs)
-    finally:
-        store.defer_writes = False
+    with store.writes_deferred(), no_init_weights():
+        model = cls._from_config(config, dtype=torch.float32, **kwargs)
     model.tie_weights()
     targets = dict(model.state_dict(keep_vars=True))
     info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}

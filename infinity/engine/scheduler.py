@@ -93,6 +93,10 @@ class PrefetchScheduler:
         self.stats = PrefetchStats(recorded=True)
         self.history: list[PrefetchStats] = []
 
+    def resize(self, bucket_elements: int) -> None:
+        """A new prefetch bucket (stage3_prefetch_bucket_size once "auto" is resolved), from the next fetch on."""
+        self.bucket = bucket_elements
+
     @property
     def swapper(self):
         """Whatever reads shards: the parameter TensorSwapper, or the optimizer-slice reader (alias.py)."""
@@ -181,8 +185,7 @@ class PrefetchScheduler:
             pending = self.store.pending  # None once the walk is settled
             if pending is not None and not pending.ready(mp):
                 return None, False  # its group's step is not finished: a later fetch tries again
-        lend = self.store.lend
-        fut = lend(mp, backward=backward) if lend is not None and mp.trainable else None
+        fut = self.store.lend(mp, backward=backward) if mp.trainable else None
         if fut is not None:
             return fut, True
         return self.swapper.swap_in(sid, **prefetch), False

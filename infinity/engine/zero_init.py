@@ -27,7 +27,7 @@ import torch
 from infinity.engine.build import as_config, build_store
 from infinity.engine.comm import init_distributed
 from infinity.engine.memory import CONSTRUCTION, mmap_threshold, set_mmap_threshold
-from infinity.engine.construct import PartitionedAccess, end_access
+from infinity.engine.construct import PartitionedAccess
 from infinity.engine.params import ParamStatus, managed
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -62,7 +62,6 @@ def zero_init(config=None):
     except BaseException:
         _restore_threshold(previous)
         raise
-    store.config = cfg
     patched = []
 
     def wrap_init(orig):
@@ -95,13 +94,12 @@ def zero_init(config=None):
         patched.append((hf, "from_pretrained", orig_fp))
         hf.from_pretrained = classmethod(partitioned_from_pretrained(store))
     _end_stale_access()
-    store.access = PartitionedAccess(store)
-    store.access.__enter__()
+    store.begin_access(PartitionedAccess(store))
     _active.store = store
     try:
         yield store
     except BaseException:
-        end_access(store)  # the build failed: nothing of it will be initialized
+        store.end_access()  # the build failed: nothing of it will be initialized
         raise
     finally:
         _active.store = None

@@ -16,6 +16,10 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
+from infinity.io.checksum import crc32c
+
 
 def _os_error(err: int, what: str, path: str, offset: int) -> OSError:
     exc = OSError(err, f"{what} ({os.strerror(err)}), at offset {offset}", path)
@@ -151,9 +155,6 @@ class PythonHandle:
                 req._error = _os_error(exc.errno, "close after write failed", "", -1)
         if req._error is None and req._checksum:  # taken before the request is done, as the native one does
             try:
-                import torch
-
-                from infinity.swap.checksum import crc32c  # here: infinity.swap imports this package
                 req._crc = crc32c(torch.frombuffer((ctypes.c_char * req._nbytes).from_address(req._ptr),
                                                    dtype=torch.uint8) if req._nbytes else torch.empty(0))
             except BaseException as exc:  # noqa: BLE001 - reported by the request

@@ -42,7 +42,7 @@ class SwapContext:
         shards kept in the state, see [Note: compute-dtype shards in the optimizer file] in engine/alias.py).
         `master=False`: the groups hold the moments only (NvmeState(master=False))."""
         off = cfg.zero_optimization.offload_optimizer
-        if Tier(off.device) is not Tier.NVME:
+        if off.tier is not Tier.NVME:
             raise ValueError('SwapContext: zero_optimization.offload_optimizer.device is not "nvme"; nothing to swap')
         group = cfg.zero_optimization.sub_group_size if largest_group_numel is None else largest_group_numel
         if group < 1:
@@ -63,7 +63,7 @@ class SwapContext:
     def for_params(cls, cfg: Config, *, rank: int = 0, largest_shard_numel: int | None = None) -> "SwapContext":
         """Parameter shards: buffer_size elements of fp32 (shards start as fp32; see ParamStore)."""
         off = cfg.zero_optimization.offload_param
-        if Tier(off.device) is not Tier.NVME:
+        if off.tier is not Tier.NVME:
             raise ValueError('SwapContext: zero_optimization.offload_param.device is not "nvme"; nothing to swap')
         numel = off.buffer_size if largest_shard_numel is None else largest_shard_numel
         return cls(directory=off.nvme_path, count=off.buffer_count, size=4 * numel, cfg=cfg, pin=off.pin_memory,

@@ -49,7 +49,7 @@ import torch
 from infinity.dtypes import BY_NAME, name_of
 from infinity.errors import SwapCorruptionError
 from infinity.io import AsyncIO, aligned_empty
-from infinity.swap.checksum import crc32c
+from infinity.io.checksum import crc32c
 from infinity.dirlock import DirLock
 from infinity.swap.pool import BufferPool
 from infinity.swap.registry import Partition, Registry, Residency

@@ -1,28 +1,12 @@
-"""Tier: where a piece of training state lives between uses."""
+"""The tiers of training state (defined with the config that names them), and the host device."""
 
 from __future__ import annotations
 
-import enum
-
 import torch
+
+from infinity.config.tier import Tier
 
 HOST = torch.device("cpu")
 """The host: where CPU and NVMe tiers hand their data over, and the compute device of a CPU-only machine."""
 
-
-class Tier(enum.Enum):
-    """Where a parameter shard or a sub-group's optimizer state lives between uses, and what that costs.
-
-    The values are the config's spellings (`offload_param.device`,
-    `offload_optimizer.device`), so `Tier(section.device)` is the parse.
-    """
-
-    DEVICE = "none"
-    """Not offloaded: in the compute device's memory (the GPU's, or host RAM on a CPU-only machine)."""
-    CPU = "cpu"
-    """Host RAM, outside any pool: its full size in host memory, no I/O."""
-    NVME = "nvme"
-    """A swap file under nvme_path: no memory between uses; one pool buffer while read, used or written."""
-
-    def __str__(self) -> str:
-        return self.value
+__all__ = ["HOST", "Tier"]

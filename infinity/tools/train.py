@@ -405,10 +405,12 @@ def _claim_save_dir(args, comm):
     holds it too from its first save (the same process: reentrant) until it closes."""
     if not args.save_dir:
         return None
-    from infinity.checkpoint.save import together
     from infinity.dirlock import own_checkpoint_dir
+    from infinity.engine.comm import together
+    from infinity.errors import DirectoryInUse
 
-    return together(comm, "claim of --save-dir", lambda: own_checkpoint_dir(args.save_dir) if comm.rank == 0 else None)
+    return together(comm, "the claim of --save-dir", lambda: own_checkpoint_dir(args.save_dir) if comm.rank == 0
+                    else None, error=DirectoryInUse)
 
 
 def _train_owning(args, out, nvme, src, cfg, comm, planned, seq, vocab, micro, accum) -> int:
@@ -520,9 +522,11 @@ def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, bas
                        "optimizer_tier": str(engine.optimizer.tier), "baseline_rss_bytes": baseline,
                        "swap_bytes_after_setup": _dir_bytes(nvme), "load": load}, f, indent=2)
     if args.save_dir:  # the engine holds it too, until it closes (re-entering the run's claim)
-        from infinity.checkpoint.save import together
+        from infinity.engine.comm import together
+        from infinity.errors import DirectoryInUse
 
-        together(engine.comm, "claim of --save-dir", lambda: engine.own_save_dir(args.save_dir))
+        together(engine.comm, "the claim of --save-dir", lambda: engine.own_save_dir(args.save_dir),
+                 error=DirectoryInUse)
     start = _resume(args, engine, seq, rank)
     progress = Progress(total=steps, start=start, enabled=rank == 0, every=args.log_every)
     metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None

@@ -73,7 +73,7 @@ def test_zenflow_and_superoffload_keys_are_accepted_and_said_to_be_exact_adamw(w
 def test_grad_accum_dtype_is_said_to_have_no_effect_with_the_reason():
     _, said = loaded(dict(BASE, bf16={"enabled": True}, data_types={"grad_accum_dtype": "bf16"}))
     assert ("data_types (gradients are accumulated and reduced in fp32 (DeepSpeed's grad_accum_dtype defaults to "
-            "bf16 with bf16; README: Losses against DeepSpeed))") in said
+            "bf16 with bf16; bench/RESULTS.md: Losses against DeepSpeed))") in said
 
 
 def test_offload_param_below_stage_3_is_accepted_with_no_effect_as_in_deepspeed():

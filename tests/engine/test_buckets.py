@@ -16,6 +16,7 @@ import torch
 from infinity.config import load_config
 from infinity.engine.build import build_store
 from infinity.engine.comm import Comm
+from infinity.testing.recorders import GradientRecorder
 
 BASE = 0.5  # what every gradient shard holds before this backward: landing adds to it
 
@@ -70,8 +71,8 @@ class Bench:
         self.mps = {name: self.store.adopt(p, name) for name, p in self.params.items()}
         self.grads = {name: torch.full((mp.part,), BASE) for name, mp in self.mps.items()}
         self.ready: list[str] = []
-        self.store.grad_for = lambda mp: self.grads[mp.name]
-        self.store.grad_ready = lambda mp: self.ready.append(mp.name)
+        self.store.attach(GradientRecorder(grad_for=lambda mp: self.grads[mp.name],
+                                           grad_ready=lambda mp: self.ready.append(mp.name)))
 
     def grad(self, name: str, g: torch.Tensor) -> None:
         """What autograd does: accumulate `g` into .grad, then call the post-accumulate-grad hook."""

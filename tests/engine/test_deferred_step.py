@@ -253,8 +253,8 @@ def test_the_next_forward_steps_each_group_when_it_first_needs_it(disk_dir, monk
         pending = e.optimizer._deferred
         assert pending is not None and pending.next == 0, "step() stepped only the persistent groups"
         seen = []
-        need = e.store.need
-        e.store.need = lambda mp: (need(mp), seen.append((mp.name, pending.next)))
+        need = e.optimizer.need
+        e.optimizer.need = lambda mp: (need(mp), seen.append((mp.name, pending.next)))
         x, y = batch(0)
         loss = e(x, y)
         assert pending.done, "the forward needed every group"

@@ -35,7 +35,8 @@ def test_fp32_stage3_matches_torch_adamw_over_20_steps(reference, tier, disk_dir
     assert not any(r.skipped for r in reports)
 
 
-def test_the_loss_falls_and_prefetch_hits_after_the_first_step(disk_dir):
+def test_prefetch_hits_after_the_first_step(disk_dir):
+    # (That the loss falls is asserted over 20 steps above; 6 steps at this lr are within the batch noise.)
     reports = []
     engine_losses(tier_config("nvme", disk_dir), 6, reports=reports)
     assert reports[0].param_fetches > 0

@@ -21,6 +21,7 @@ from infinity.engine.build import build_store
 from infinity.engine.comm import Comm
 from infinity.engine.hooks import ParamHooks
 from infinity.engine.params import managed
+from infinity.testing.recorders import GradientRecorder
 
 DIM = 32
 WEIGHT, BIAS = DIM * DIM, DIM  # elements of one Linear's weight and bias shard (one rank: the whole parameter)
@@ -63,8 +64,7 @@ class Run:
         self.hooks = ParamHooks(self.store)
         self.hooks.install(model)
         self.grads = {}
-        self.store.grad_for = lambda mp: self.grads[mp.name]
-        self.store.grad_ready = lambda mp: None
+        self.store.attach(GradientRecorder(grad_for=lambda mp: self.grads[mp.name]))
         self.sched = self.store.scheduler
         self.pool = self.store.swap.pool
         self.log: list[tuple] = []

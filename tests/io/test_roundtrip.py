@@ -180,7 +180,7 @@ def test_many_requests_in_flight_match_memory_model(backend, disk_dir, queue_dep
 def test_read_with_checksum_gives_the_crc_of_what_landed(backend, disk_dir, size, shift):
     """pread(checksum=True): the I/O thread takes the CRC-32C of the bytes it read (unaligned heads and tails,
     bounce copies included), the same number crc32c gives for the source."""
-    from infinity.swap.checksum import crc32c
+    from infinity.io.checksum import crc32c
 
     path = disk_dir / "c.bin"
     src = _misaligned(size, shift, seed=size)

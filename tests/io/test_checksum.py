@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import infinity.swap.checksum as checksum
-from infinity.swap.checksum import crc32c, crc32c_combine
+import infinity.io.checksum as checksum
+from infinity.io.checksum import crc32c, crc32c_combine
 
 
 def _bytes(n: int) -> torch.Tensor:
