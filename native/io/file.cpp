@@ -11,14 +11,34 @@
 
 namespace infinity::io {
 
-int open_file(const std::string& path, bool write, bool direct) {
-  int flags = O_CLOEXEC | (write ? (O_WRONLY | O_CREAT) : O_RDONLY);
-  if (direct) flags |= O_DIRECT;
+static int open_retrying(const std::string& path, int flags) {
   int fd;
   do {
     fd = ::open(path.c_str(), flags, 0644);
   } while (fd < 0 && errno == EINTR);
   return fd < 0 ? -errno : fd;
+}
+
+// [Note: a refused O_DIRECT open leaves no file]
+// Linux creates a missing file before it finds that the filesystem refuses
+// O_DIRECT (tmpfs, ramfs: EINVAL), so one open(O_CREAT | O_DIRECT) there
+// leaves an empty file behind (a 0-byte .swp in a ramfs nvme_path). So a
+// write opens an existing file without O_CREAT, and creates a missing one
+// with O_EXCL: then the file is known to be this call's, and a refused open
+// removes it again.
+int open_file(const std::string& path, bool write, bool direct) {
+  int flags = O_CLOEXEC | (write ? O_WRONLY : O_RDONLY);
+  if (direct) flags |= O_DIRECT;
+  int fd = open_retrying(path, flags);
+  if (!write || fd != -ENOENT) return fd;
+  fd = open_retrying(path, flags | O_CREAT | O_EXCL);
+  if (fd == -EEXIST) return open_retrying(path, flags);  // created by another opener meanwhile
+  if (fd == -EINVAL && direct) {
+    // The open's EINVAL is the error to report: a failed unlink only leaves
+    // the empty file, as before this check.
+    (void)::unlink(path.c_str());
+  }
+  return fd;
 }
 
 size_t page_size() {

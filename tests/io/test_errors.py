@@ -63,6 +63,7 @@ _NO_DAC = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["read", "write"])
 def test_no_permission(backend, disk_dir, op):
     if os.geteuid() == 0 and os.uname().machine != "x86_64":
@@ -213,3 +214,32 @@ def test_a_file_removed_behind_the_handles_back_gives_its_space_back(native_back
         else:
             pytest.fail("the removed file's blocks were never given back while the handle lived")
     assert small.read_bytes() == src.tobytes()
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A directory on ramfs: a filesystem that refuses O_DIRECT at open (tmpfs takes it on recent kernels)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a ramfs (a filesystem without O_DIRECT) needs root")
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_write_refused_for_o_direct_leaves_no_empty_file(native_backend, ramfs):
+    # Linux creates the file before it refuses O_DIRECT: see [Note: a refused O_DIRECT open leaves no file].
+    path = ramfs / "shard.swp"
+    with AsyncIO(backend=native_backend) as h, pytest.raises(OSError) as ei:
+        h.pwrite(np.zeros(4096, np.uint8), path).wait()
+    assert ei.value.errno == errno.EINVAL and "does not support O_DIRECT" in str(ei.value)
+    assert os.listdir(ramfs) == [], "the refused open left a file behind"
+    path.write_bytes(b"kept")  # a file that was there before is left as it was
+    with AsyncIO(backend=native_backend) as h, pytest.raises(OSError):
+        h.pwrite(np.zeros(4096, np.uint8), path).wait()
+    assert path.read_bytes() == b"kept"
