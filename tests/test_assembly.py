@@ -82,3 +82,9 @@ def test_tiers_are_parsed_in_the_config_only():
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "Tier(...) parsed outside infinity/config/ (read the section's .tier instead):\n" + \
         "\n".join(found)
+
+
+def test_the_engine_module_holds_the_training_path_only():
+    """engine.py is forward, backward and step; the assembly, DeepSpeed's surface and the report live beside it."""
+    lines = (PACKAGE / "engine" / "engine.py").read_text().count("\n")
+    assert lines < 400, f"infinity/engine/engine.py has {lines} lines"

@@ -22,7 +22,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     `optimizer` becomes the engine's CPU Adam with its parameter groups and hyper-parameters; `training_data`
     (a Dataset) becomes a loader of micro batches sampled as DeepSpeed samples (see DeepSpeedDataLoader).
     """
-    from infinity.engine.engine import initialize as engine_initialize
+    from infinity.engine.assemble import initialize as engine_initialize
 
     if model is None:
         raise ValueError("deepspeed.initialize: model is required")

@@ -6,7 +6,9 @@ ShardedAdam (optimizer.py) -> CPU Adam.
 """
 
 from infinity.engine.comm import RankFailure
-from infinity.engine.engine import Engine, StepReport, initialize
+from infinity.engine.assemble import initialize
+from infinity.engine.engine import Engine
+from infinity.engine.report import StepReport
 from infinity.engine.zero_init import gathered_parameters, zero_init
 
 __all__ = ["Engine", "StepReport", "initialize", "zero_init", "gathered_parameters", "RankFailure"]

@@ -38,7 +38,7 @@ def build_store(cfg: Config, comm: Comm, *, largest_shard_numel: int | None = No
 
     zero = cfg.zero_optimization
     tier = zero.offload_param.tier if zero.stage == 3 else Tier.DEVICE
-    swap = SwapContext.for_params(cfg, rank=comm.rank, largest_shard_numel=largest_shard_numel) \
+    swap = SwapContext.for_params(cfg, rank=comm.rank, world=comm.world, largest_shard_numel=largest_shard_numel) \
         if tier is Tier.NVME else None
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
     store = ParamStore(comm, tier=tier, dtype=compute_dtype(cfg), device=compute_device(), persistence=persistence,

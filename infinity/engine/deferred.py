@@ -16,7 +16,7 @@ everything the step needs at once (overflow, norm, clip coefficient, and
 each group's hyper-parameters, before the lr scheduler moves them), steps
 at once only the groups holding a persistent parameter (those are read
 without a fetch, as plain tensors, so they must be current when forward
-starts; `_plan` packs them first, into few groups), and hands the rest to
+starts; `plan.pack` packs them first, into few groups), and hands the rest to
 this object in the order forward first uses them (as recorded by the store
 at each forward's gathers: a tied embedding is registered where it was
 built, at the LM head, and used first). The

@@ -88,7 +88,7 @@ each piece's new weights are written into its slice of the shard
 (ParamStore.write_piece) as the piece steps; at gpt-125m that takes the
 optimizer-on-NVMe pool from 4 x 442 MiB to 4 x 96 MiB. Where a shard has an
 NVMe file of its own, outside the optimizer's, it stays one sub-group:
-publishing a piece would need a partial write of that file. `can_split`
+publishing a piece would need a partial write of that file. `can_split` (plan.py)
 decides.
 
 [Note: parameter groups]
@@ -113,13 +113,13 @@ import torch
 from infinity.engine.comm import Comm
 from infinity.engine.deferred import DeferredStep
 from infinity.engine.params import ParamStatus, ParamStore
+from infinity.engine.plan import OffloadPlan
 from infinity.optim import grads_finite
 from infinity.swap.pipeline import Mode, StatePipeline
-from infinity.swap.state import MOMENT_DTYPES, DeviceState, GroupState, HostState, NvmeState, state_bytes
+from infinity.swap.state import DeviceState, GroupState, HostState, NvmeState, state_bytes
 from infinity.swap.telemetry import StepStats
 from infinity.swap.tier import HOST, Tier
 
-SPLIT_ALIGN = 4096
 """A split shard's pieces start at multiples of this many elements (so do their slices in the buffers and files)."""
 
 
@@ -164,41 +164,40 @@ class _Group:
 
 
 class ShardedAdam(torch.optim.Optimizer):
-    def __init__(self, store: ParamStore, cfg, comm: Comm, *, swap=None, param_groups: list[dict] | None = None,
-                 trace=None):
-        """param_groups: torch-style groups of the store's trainable parameters (see [Note: parameter
-        groups]); None means one group of all of them. Missing hyper-parameters come from the config. trace: a
-        telemetry.Trace (infinity.trace_path) the pipelines add their spans to, or None."""
+    def __init__(self, store: ParamStore, cfg, comm: Comm, *, plan: OffloadPlan, param_groups: list[dict],
+                 swap=None, trace=None):
+        """plan: the sub-groups and their tiers ([Note: one plan for the placement] in plan.py), packed from
+        param_groups, the torch-style groups of the store's trainable parameters (see [Note: parameter
+        groups]); their missing hyper-parameters come from the config. swap: the NVMe optimizer pool's
+        SwapContext, when the plan puts a sub-group on NVMe. trace: a telemetry.Trace (infinity.trace_path) the
+        pipelines add their spans to, or None."""
         opt = cfg.optimizer
         hp = opt.params
         if hp.amsgrad:
             raise ValueError("optimizer.params.amsgrad: AMSGrad is not supported; set it to false")
         self.hyper = dict(adamw=opt.type == "AdamW" or hp.adam_w_mode, bias_correction=hp.bias_correction)
-        if param_groups is None:
-            param_groups = [{"params": [mp.param for mp in store.params if mp.trainable]}]
         super().__init__(param_groups, {"lr": hp.lr, "betas": tuple(hp.betas), "eps": hp.eps,
                                         "weight_decay": hp.weight_decay})
         self.store = store
         self.comm = comm
         off = cfg.zero_optimization.offload_optimizer
         self.pin = off.pin_memory and torch.cuda.is_available()  # page-locking means nothing without CUDA
-        self.tier = off.tier
+        self.plan = plan
+        self.tier = plan.optimizer_tier
         """Where offloaded sub-groups live; with ratio < 1 the others stay on the device ([Note: partial offload])."""
-        self.moments = MOMENT_DTYPES[off.moments_dtype]
+        self.moments = plan.moments_dtype
         """exp_avg and exp_avg_sq's dtype on every tier (offload_optimizer.moments_dtype)."""
         if self.moments != torch.float32:
             self.hyper["moment_rounding"] = off.moments_rounding
         self.step_count = 0
-        by_group = self.managed_groups()
-        self.groups = self._plan(by_group, cfg.zero_optimization.sub_group_size,
-                                 split=can_split(store, by_group, self.tier, off.ratio))
+        self.groups = [_Group(sg.index, list(sg.params), sg.param_group, sg.span) for sg in plan.sub_groups]
         self.groups_of: dict[int, list[_Group]] = {}
         """Per parameter, the sub-groups holding its shard: one, or the pieces of a split one, in order."""
         for g in self.groups:
             for mp in g.params:
                 self.groups_of.setdefault(id(mp), []).append(g)
         self._offset_of = {id(mp): off for g in self.groups if not g.split for mp, off in zip(g.params, g.offsets)}
-        self.in_state = shards_in_state(store, [g.params for g in self.groups], self.tier, off.ratio)
+        self.in_state = plan.shard_dtype
         """The dtype of the trained shards kept in the optimizer's NVMe files (see [Note: fp32 shards live in
         the optimizer file] and [Note: compute-dtype shards in the optimizer file] in alias.py), or None."""
         if self.in_state is not None and self.in_state != torch.float32:
@@ -225,7 +224,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._deferred: DeferredStep | None = None  # the rest of the last step, finished by the next forward
         self.deferred_wait_s = 0.0  # what deferred steps made their callers wait, in all (the engine reports it)
         store.attach(self)
-        self._init_state(off.ratio)
+        self._init_state()
 
     @property
     def overlapping(self) -> bool:
@@ -237,34 +236,6 @@ class ShardedAdam(torch.optim.Optimizer):
         from infinity.engine.params import managed
 
         return [[managed(p) for p in pg["params"]] for pg in self.param_groups]
-
-    @staticmethod
-    def _plan(param_groups: list[list], sub_group_size: int, *, split: bool = False) -> list[_Group]:
-        """Pack each parameter group's shards into sub-groups of at most sub_group_size elements; with `split`,
-        a larger shard becomes consecutive sub-groups of its own (see [Note: a large shard is split over
-        sub-groups of its own]), else one sub-group."""
-        piece = max(SPLIT_ALIGN, sub_group_size // SPLIT_ALIGN * SPLIT_ALIGN)
-        groups = []
-        for k, params in enumerate(param_groups):
-            cur, size = [], 0
-            # Persistent parameters first, in groups of their own: a deferred step takes those at once ([Note:
-            # the step finishes in the next forward] in deferred.py).
-            for mp in sorted(params, key=lambda mp: (not mp.persistent, mp.index)):
-                if split and mp.part > sub_group_size:
-                    if cur:
-                        groups.append(_Group(len(groups), cur, k))
-                        cur, size = [], 0
-                    for lo in range(0, mp.part, piece):
-                        groups.append(_Group(len(groups), [mp], k, span=(lo, min(mp.part, lo + piece))))
-                    continue
-                if cur and (size + mp.part > sub_group_size or cur[-1].persistent != mp.persistent):
-                    groups.append(_Group(len(groups), cur, k))
-                    cur, size = [], 0
-                cur.append(mp)
-                size += mp.part
-            if cur:
-                groups.append(_Group(len(groups), cur, k))
-        return groups
 
     def hyper_for(self, g: _Group, **step) -> dict:
         """Adam's hyper-parameters for one sub-group now: its parameter group's, plus this step's."""
@@ -279,11 +250,6 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ the state
 
-    def _tiers(self, ratio: float) -> list[Tier]:
-        """Each sub-group's tier (see [Note: partial offload])."""
-        offloaded = int(ratio * len(self.groups))
-        return [self.tier if i < offloaded else Tier.DEVICE for i in range(len(self.groups))]
-
     def _new_state(self, g: _Group, tier: Tier) -> GroupState:
         mo = self.moments
         tail = self.in_state if self.in_state != torch.float32 else None
@@ -293,12 +259,12 @@ class ShardedAdam(torch.optim.Optimizer):
                                              lowp=tail)}
         return make[tier]()
 
-    def _init_state(self, ratio: float) -> None:
+    def _init_state(self) -> None:
         """Master weights from the store's current shards, zero moments; then the store switches to the
         compute dtype (or, in alias mode, reads its shards from the optimizer's files)."""
         store = self.store
-        for g, tier in zip(self.groups, self._tiers(ratio)):
-            g.state = self._new_state(g, tier)
+        for g, sg in zip(self.groups, self.plan.sub_groups):
+            g.state = self._new_state(g, sg.tier)
         reader = None
         if self.in_state is not None:
             from infinity.engine.alias import OptimizerSliceReader
@@ -765,32 +731,6 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.swap is not None:
             self.swap.close()
             self.swap = None
-
-
-def shards_in_state(store: ParamStore, groups: list[list], tier: Tier, ratio: float) -> torch.dtype | None:
-    """Whether the trained parameters' shards live in the optimizer's NVMe files instead of files of their own,
-    and in which dtype: the compute dtype (fp32: the master itself, see [Note: fp32 shards live in the optimizer
-    file]; bf16/fp16: a tail of the state, [Note: compute-dtype shards in the optimizer file], both in alias.py),
-    or None. They do when every sub-group (`groups`: each one's ManagedParams) is offloaded to NVMe and every
-    trained shard's home is NVMe."""
-    nvme = store.nvme
-    if nvme is None or not groups or tier is not Tier.NVME or int(ratio * len(groups)) < len(groups):
-        return None
-    if any(mp.home is not nvme for params in groups for mp in params):
-        return None
-    return store.dtype
-
-
-def can_split(store: ParamStore, groups: list[list], tier: Tier, ratio: float) -> bool:
-    """Whether a shard larger than sub_group_size is split over sub-groups of its own ([Note: a large shard is
-    split over sub-groups of its own]): every sub-group (`groups`: each one's ManagedParams) offloaded to NVMe,
-    and every trained shard either in the optimizer's files (alias mode) or, under ZeRO-3, in host or device
-    memory, whose home takes a piece at a time."""
-    if shards_in_state(store, groups, tier, ratio) is not None:
-        return True
-    if store.stage != 3 or not groups or tier is not Tier.NVME or int(ratio * len(groups)) < len(groups):
-        return False
-    return all(mp.home is store.ram for params in groups for mp in params)
 
 
 class _OneParam:

@@ -33,7 +33,7 @@ so its `sub_group_size` keeps the config's (or DeepSpeed's) meaning.
 Where the shards live in the optimizer's files (parameters and optimizer
 both on NVMe) or in RAM under ZeRO-3, a shard larger than sub_group_size is
 split over sub-groups of its own ([Note: a large shard is split over
-sub-groups of its own] in optimizer.py, `can_split`), so there the fit is the
+sub-groups of its own] in optimizer.py, `can_split` in plan.py), so there the fit is the
 largest shard capped at TARGET (8M): gpt-125m's tied 38.6M embedding becomes
 five pieces and its pool 448 MiB instead of 2.0 GiB for 1.6 GiB of state.
 Elsewhere (shards in NVMe files of their own) a buffer must still hold the

@@ -97,7 +97,7 @@ class InfinityTrainer(Trainer):
 
     def _build_engine(self):
         from infinity.deepspeed.api import _groups
-        from infinity.engine.engine import initialize
+        from infinity.engine.assemble import initialize
 
         raw = copy.deepcopy(self._raw_config)
         optimizer_section = raw.pop("optimizer", None)

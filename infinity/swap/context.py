@@ -23,12 +23,13 @@ from infinity.swap.tier import Tier
 class SwapContext:
     """Pool + AsyncIO + TensorSwapper: `count` buffers of `size` bytes, files under `directory`."""
 
-    def __init__(self, *, directory, count: int, size: int, cfg: Config, pin: bool, rank: int = 0, kind: str = ""):
+    def __init__(self, *, directory, count: int, size: int, cfg: Config, pin: bool, rank: int = 0, kind: str = "",
+                 world: int | None = None):
         self.io = AsyncIO.from_config(cfg)
         try:
             # pin_memory page-locks the pool for device copies, which only means something when CUDA is there.
             self.pool = BufferPool(count, size, pin=pin and torch.cuda.is_available())
-            self.swapper = TensorSwapper(directory, self.pool, self.io, rank=rank, kind=kind,
+            self.swapper = TensorSwapper(directory, self.pool, self.io, rank=rank, kind=kind, world=world,
                                          checksums=cfg.infinity.checksums, leftovers=cfg.infinity.leftovers)
         except BaseException:
             self.io.close()
@@ -36,7 +37,7 @@ class SwapContext:
 
     @classmethod
     def for_optimizer(cls, cfg: Config, *, rank: int = 0, largest_group_numel: int | None = None,
-                      tail_bytes: int = 0, master: bool = True) -> "SwapContext":
+                      tail_bytes: int = 0, master: bool = True, world: int | None = None) -> "SwapContext":
         """One buffer holds a whole sub-group's [param | exp_avg | exp_avg_sq] (12 B per parameter; 8 with bf16
         moments), and `tail_bytes` per parameter after it: the weights' compute-dtype copy (2 with bf16/fp16
         shards kept in the state, see [Note: compute-dtype shards in the optimizer file] in engine/alias.py).
@@ -57,17 +58,18 @@ class SwapContext:
                               f"exceeds infinity.memory_budget ({budget / 2**30:.2f} GiB); lower buffer_count or "
                               "zero_optimization.sub_group_size")
         return cls(directory=off.nvme_path, count=off.buffer_count, size=per * group, cfg=cfg, pin=off.pin_memory,
-                   rank=rank)
+                   rank=rank, world=world)
 
     @classmethod
-    def for_params(cls, cfg: Config, *, rank: int = 0, largest_shard_numel: int | None = None) -> "SwapContext":
+    def for_params(cls, cfg: Config, *, rank: int = 0, largest_shard_numel: int | None = None,
+                   world: int | None = None) -> "SwapContext":
         """Parameter shards: buffer_size elements of fp32 (shards start as fp32; see ParamStore)."""
         off = cfg.zero_optimization.offload_param
         if off.tier is not Tier.NVME:
             raise ValueError('SwapContext: zero_optimization.offload_param.device is not "nvme"; nothing to swap')
         numel = off.buffer_size if largest_shard_numel is None else largest_shard_numel
         return cls(directory=off.nvme_path, count=off.buffer_count, size=4 * numel, cfg=cfg, pin=off.pin_memory,
-                   rank=rank, kind="param")
+                   rank=rank, kind="param", world=world)
 
     def close(self) -> None:
         self.swapper.close()

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.dtypes import BY_NAME, name_of
-from infinity.errors import SwapCorruptionError
+from infinity.errors import DirectoryInUse, SwapCorruptionError
 from infinity.io import AsyncIO, aligned_empty
 from infinity.io.checksum import crc32c
 from infinity.dirlock import DirLock
@@ -116,7 +116,10 @@ class TensorSwapper:
     """Swap partitions in and out of files under `directory`, through `pool`."""
 
     def __init__(self, directory, pool: BufferPool, aio: AsyncIO | None = None, *, rank: int = 0, kind: str = "",
-                 checksums: bool = True, leftovers: str = "clear", registry: Registry | None = None):
+                 checksums: bool = True, leftovers: str = "clear", registry: Registry | None = None,
+                 world: int | None = None):
+        """`world`, the job's number of ranks, lets rank 0 clear the directories of ranks at or beyond it that
+        a larger run left (leftovers "clear"): see [Note: a smaller run clears a larger one's dead ranks]."""
         if leftovers not in ("clear", "reuse", "error"):
             raise ValueError(f"TensorSwapper: leftovers must be clear, reuse or error, got {leftovers!r}")
         self.pool = pool
@@ -127,6 +130,7 @@ class TensorSwapper:
         # `kind` keeps two swappers of one rank (parameters, optimizer state) in separate directories.
         self.dir = os.path.join(os.fspath(directory), "infinity-swap", f"{kind}-rank{rank}" if kind else f"rank{rank}")
         self.rank = rank
+        self.kind = kind
         self._crc: dict[str, int | None] = {}
         # Re-entrant: swap_out of a partition in memory submits its write (_write) under the lock, and a failed
         # submission (an OSError, or a KeyboardInterrupt landing there) takes it again to undo the transition; a
@@ -136,6 +140,8 @@ class TensorSwapper:
         self._claim_key = None
         try:
             self.leftovers_found = self._claim_directory(leftovers)
+            if rank == 0 and world is not None and leftovers == "clear":
+                self._clear_dead_ranks(world)
         except BaseException:
             self._unclaim()
             raise
@@ -182,6 +188,42 @@ class TensorSwapper:
                 warnings.warn(f"infinity: reusing {reused} of {len(found)} swap files left in {self.dir}",
                               stacklevel=3)
         return len(found)
+
+    def _clear_dead_ranks(self, world: int) -> None:
+        """[Note: a smaller run clears a larger one's dead ranks]
+        Each rank clears the leftovers of its own directory as it claims it (`_claim_directory`). A run killed
+        with 4 ranks and followed by one with 2 on the same nvme_path leaves rank2/ and rank3/ to nobody: no
+        rank of the smaller run claims them, and their files hold the disk forever. So rank 0 also removes the
+        files of every sibling directory of this kind numbered at or beyond `world`, where it can take that
+        directory's lock (whoever held it is gone); a directory another live job holds is left alone."""
+        parent = os.path.dirname(self.dir)
+        pattern = re.compile(re.escape(f"{self.kind}-rank" if self.kind else "rank") + r"(\d+)")
+        removed = 0
+        for name in sorted(os.listdir(parent)):
+            m = pattern.fullmatch(name)
+            if m is None or int(m.group(1)) < world:
+                continue
+            path = os.path.join(parent, name)
+            try:
+                lock = DirLock(path, what="TensorSwapper: the swap directory", fix="")
+            except DirectoryInUse:
+                continue  # a live job's
+            try:
+                if not lock.held:  # no flock on this filesystem: whether its owner lives is unknown
+                    continue
+                files = [f for f in os.listdir(path) if f.endswith(".swp")]
+                for f in files:
+                    os.unlink(os.path.join(path, f))
+                removed += len(files)
+            finally:
+                lock.release()
+            try:
+                os.rmdir(path)
+            except OSError:  # something else is in it: left as it is
+                pass
+        if removed:
+            warnings.warn(f"infinity: removed {removed} swap files that dead ranks (numbered {world} and up) of an "
+                          f"earlier, larger run left in {parent}", stacklevel=4)
 
     def _unclaim(self) -> None:
         owner = getattr(self, "_owner", None)

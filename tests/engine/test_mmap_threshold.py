@@ -15,7 +15,7 @@ from infinity.engine.memory import CONSTRUCTION
 from infinity.models import GPT
 from infinity.testing.parity import MODEL, engine_config
 
-engine_module = importlib.import_module("infinity.engine.engine")
+engine_module = importlib.import_module("infinity.engine.assemble")
 zero_init_module = importlib.import_module("infinity.engine.zero_init")  # the package exports the function
 
 # In a child: the threshold is process-wide, and the tests after this one must keep the default.
@@ -51,6 +51,7 @@ def _thp_always() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt(M_MMAP_THRESHOLD) is glibc's")
 @pytest.mark.skipif(_thp_always(), reason="transparent huge pages always on: a 4 MiB block faults in 2 MiB pages, "
                                           "so page faults no longer count its pages")
@@ -72,7 +73,7 @@ def test_setup_runs_at_64_KiB_and_the_steps_at_the_configured_threshold(monkeypa
     e = initialize(m, cfg)
     try:
         assert calls == [("infinity.engine.zero_init", CONSTRUCTION), ("infinity.engine.zero_init", 2 << 20),
-                         ("infinity.engine.engine", CONSTRUCTION), ("infinity.engine.engine", 8 << 20)]
+                         ("infinity.engine.assemble", CONSTRUCTION), ("infinity.engine.assemble", 8 << 20)]
     finally:
         e.close()
 

@@ -253,6 +253,7 @@ def test_a_pid_file_without_its_lock_is_no_owner(disk_dir):
     sw.close()
 
 
+@pytest.mark.slow
 def test_simultaneous_claims_of_one_swap_directory_have_one_winner(disk_dir):
     """40 processes released at once claim one directory through the lock the swapper takes (DirLock, loaded on
     its own so that each process starts in milliseconds and they really race): exactly one owns it, each other
@@ -385,3 +386,35 @@ def test_a_failed_submission_of_an_in_memory_partitions_write_raises_and_keeps_t
     monkeypatch.undo()
     swapper.swap_out("p", view).wait()
     assert torch.equal(swapper.swap_in("p").wait(), torch.arange(1000, dtype=torch.float32) + 1)
+
+
+def _dead_rank(disk_dir, rank: int) -> None:
+    """A rank of an earlier run killed without close(): its directory keeps its swap files."""
+    code = ("import os, sys, torch; from infinity.swap import BufferPool, TensorSwapper; "
+            f"sw = TensorSwapper(sys.argv[1], BufferPool(1, 1 << 16, pin=False), rank={rank}); "
+            "sw.swap_out('g0', torch.ones(100)).wait(); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code, str(disk_dir)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_rank_0_of_a_smaller_run_clears_the_dead_ranks_of_a_larger_one(disk_dir):
+    """[Note: a smaller run clears a larger one's dead ranks]: rank2/ and rank3/ of a killed 4-rank run go when a
+    2-rank run starts there; rank 1's belongs to the new run (its own rank clears it); a live job's stays."""
+    from infinity.dirlock import DirLock
+
+    for rank in (1, 2, 3, 4):
+        _dead_rank(disk_dir, rank)
+    root = disk_dir / "infinity-swap"
+    live = DirLock(root / "rank4", what="a live job's swap directory", fix="")  # another job, still running
+    try:
+        with pytest.warns(UserWarning, match=r"removed 2 swap files that dead ranks \(numbered 2 and up\)"):
+            sw = TensorSwapper(disk_dir, BufferPool(1, 4096, pin=False), rank=0, world=2)
+        sw.close()
+        assert sorted(os.listdir(root)) == ["rank1", "rank4"]
+        assert any(f.endswith(".swp") for f in os.listdir(root / "rank4")), "a live job's files were removed"
+    finally:
+        live.release()
+    # Without `world` (a swapper outside an engine) nothing beyond its own directory is touched.
+    sw = TensorSwapper(disk_dir, BufferPool(1, 4096, pin=False), rank=0)
+    sw.close()
+    assert sorted(os.listdir(root)) == ["rank1", "rank4"]

@@ -65,7 +65,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from infinity.engine.optimizer import SPLIT_ALIGN
+from infinity.engine.plan import SPLIT_ALIGN
 from infinity.engine.sizing import FLOOR as SPLIT_FLOOR
 from infinity.engine.sizing import TARGET as SPLIT_TARGET
 from infinity.errors import NoPlacement  # noqa: F401 - raised here, defined there

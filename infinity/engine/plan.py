@@ -1,0 +1,190 @@
+"""OffloadPlan: where each kind of training state lives, decided once per `initialize`.
+
+[Note: one plan for the placement]
+`initialize` decides, from the config, the model's trained shards and the world size, where everything goes:
+the parameters' tier (the store's, made under zero_init or here), the optimizer's tier and each sub-group's (a
+ratio below 1 keeps the last ones on the device), the compute and moment dtypes, where a trained shard is read
+from between uses (its own home, or the optimizer's NVMe file: ShardSource), whether a shard larger than a
+sub-group is split, the sub-groups themselves, and the optimizer pool's buffers (fitted to the model where the
+config does not write them, sizing.py). Before this plan, the optimizer, the sizing and the engine each derived
+these again from the config; now `plan_offload` derives them and the others read the plan. Two things are
+decided outside it, because they come before it: the parameter store's own pool (built under zero_init, before
+the model exists), and the disk-room check (before any shard is written, engine/assemble.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from infinity.config import Config
+from infinity.config.tier import Tier
+from infinity.engine.sizing import fit_optimizer
+from infinity.swap.state import MOMENT_DTYPES, state_bytes
+
+SPLIT_ALIGN = 1 << 12
+"""Pieces of a split shard start at multiples of this many elements (4 KiB-aligned in fp32 and in bf16 tails)."""
+
+
+class ShardSource(enum.Enum):
+    """Where a trained parameter's shard is read from between uses."""
+
+    HOME = "its own home"
+    """The store's home for it: device or host memory, or a swap file of its own."""
+    OPTIMIZER_FILE = "the optimizer's file"
+    """Its sub-group's NVMe optimizer file (alias.py): the fp32 master itself, or the compute-dtype copy kept
+    after the state ([Note: fp32 shards live in the optimizer file], [Note: compute-dtype shards in the
+    optimizer file])."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SubGroupPlan:
+    """One optimizer sub-group: the unit the optimizer's state moves and steps in."""
+
+    index: int
+    """Its place in the optimizer's walk (and the name of its swap file, optim/g<index>)."""
+    params: tuple
+    """The ManagedParams whose shards (or, split, a piece of one shard) it holds."""
+    param_group: int
+    """Index into the optimizer's param_groups: whose lr, betas, eps and weight decay it uses."""
+    span: tuple[int, int] | None
+    """A piece of a split shard: its elements [lo, hi); None for whole shards."""
+    tier: Tier
+    """Where its state lives between steps."""
+
+    @property
+    def numel(self) -> int:
+        if self.span is not None:
+            return self.span[1] - self.span[0]
+        return sum(mp.part for mp in self.params)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadPlan:
+    """Where each kind of training state lives, for one engine (see [Note: one plan for the placement])."""
+
+    param_tier: Tier
+    """The parameters' shards between uses (offload_param at stage 3; the device below it)."""
+    optimizer_tier: Tier
+    """The offloaded sub-groups' master weights and moments (offload_optimizer)."""
+    compute_dtype: torch.dtype
+    """Gathered parameters, and after setup the shards (fp32, bf16 or fp16)."""
+    moments_dtype: torch.dtype
+    """exp_avg and exp_avg_sq on every tier (offload_optimizer.moments_dtype)."""
+    shard_source: ShardSource
+    """Where the trained shards are read from between uses."""
+    shard_dtype: torch.dtype | None
+    """With ShardSource.OPTIMIZER_FILE, the dtype the shards are read in (fp32: the master; else the compute
+    dtype's copy after the state); None with HOME."""
+    split: bool
+    """A shard larger than sub_group_size is split over sub-groups of its own ([Note: a large shard is split
+    over sub-groups of its own] in optimizer.py)."""
+    sub_groups: tuple[SubGroupPlan, ...]
+    """Every sub-group, in walk order."""
+    optimizer_buffers: int
+    """Buffers of the NVMe optimizer pool (0 when nothing is on NVMe)."""
+    fitted: str
+    """What was fitted to the model and why (logged once), or "" when the config wrote every size."""
+
+    @property
+    def tail_bytes(self) -> int:
+        """Bytes per parameter of the compute-dtype copy kept after a sub-group's state (0 without one)."""
+        return 0 if self.shard_dtype in (None, torch.float32) else self.shard_dtype.itemsize
+
+    @property
+    def largest_sub_group(self) -> int:
+        return max((g.numel for g in self.sub_groups), default=1)
+
+    @property
+    def optimizer_buffer_bytes(self) -> int:
+        """One NVMe optimizer pool buffer: a whole sub-group's [master | exp_avg | exp_avg_sq | tail]."""
+        return (state_bytes(self.moments_dtype) + self.tail_bytes) * self.largest_sub_group
+
+
+def pack(by_group: list[list], sub_group_size: int, *, split: bool, tier: Tier = Tier.DEVICE,
+         ratio: float = 1.0) -> list[SubGroupPlan]:
+    """Pack each parameter group's shards (`by_group`: each group's ManagedParams) into sub-groups of at most
+    sub_group_size elements; with `split`, a larger shard becomes consecutive sub-groups of its own, else one
+    sub-group. The first int(ratio x count) sub-groups are on `tier`, the rest on the device ([Note: partial
+    offload] in optimizer.py)."""
+    piece = max(SPLIT_ALIGN, sub_group_size // SPLIT_ALIGN * SPLIT_ALIGN)
+    packed: list[tuple] = []  # (params, param group, span)
+    for k, params in enumerate(by_group):
+        cur, size = [], 0
+        # Persistent parameters first, in groups of their own: a deferred step takes those at once ([Note: the
+        # step finishes in the next forward] in deferred.py).
+        for mp in sorted(params, key=lambda mp: (not mp.persistent, mp.index)):
+            if split and mp.part > sub_group_size:
+                if cur:
+                    packed.append((cur, k, None))
+                    cur, size = [], 0
+                for lo in range(0, mp.part, piece):
+                    packed.append(([mp], k, (lo, min(mp.part, lo + piece))))
+                continue
+            if cur and (size + mp.part > sub_group_size or cur[-1].persistent != mp.persistent):
+                packed.append((cur, k, None))
+                cur, size = [], 0
+            cur.append(mp)
+            size += mp.part
+        if cur:
+            packed.append((cur, k, None))
+    offloaded = int(ratio * len(packed))
+    return [SubGroupPlan(index=i, params=tuple(params), param_group=k, span=span,
+                         tier=tier if i < offloaded else Tier.DEVICE)
+            for i, (params, k, span) in enumerate(packed)]
+
+
+def shards_in_state(store, groups: list[list], tier: Tier, ratio: float) -> torch.dtype | None:
+    """Whether the trained parameters' shards live in the optimizer's NVMe files instead of files of their own,
+    and in which dtype: the compute dtype (fp32: the master itself, see [Note: fp32 shards live in the optimizer
+    file]; bf16/fp16: a tail of the state, [Note: compute-dtype shards in the optimizer file], both in alias.py),
+    or None. They do when every sub-group (`groups`: each one's ManagedParams) is offloaded to NVMe and every
+    trained shard's home is NVMe."""
+    nvme = store.nvme
+    if nvme is None or not groups or tier is not Tier.NVME or int(ratio * len(groups)) < len(groups):
+        return None
+    if any(mp.home is not nvme for params in groups for mp in params):
+        return None
+    return store.dtype
+
+
+def can_split(store, groups: list[list], tier: Tier, ratio: float) -> bool:
+    """Whether a shard larger than sub_group_size is split over sub-groups of its own ([Note: a large shard is
+    split over sub-groups of its own]): every sub-group (`groups`: each one's ManagedParams) offloaded to NVMe,
+    and every trained shard either in the optimizer's files (alias mode) or, under ZeRO-3, in host or device
+    memory, whose home takes a piece at a time."""
+    if shards_in_state(store, groups, tier, ratio) is not None:
+        return True
+    if store.stage != 3 or not groups or tier is not Tier.NVME or int(ratio * len(groups)) < len(groups):
+        return False
+    return all(mp.home is store.ram for params in groups for mp in params)
+
+
+def plan_offload(cfg: Config, store, by_group: list[list], *, say: bool) -> tuple[Config, OffloadPlan]:
+    """The plan for the trained shards of `store` (`by_group`: each parameter group's ManagedParams), and the
+    config with the sizes fitted to them where it wrote none (`say`: this rank logs what an oversized written
+    pool costs; one rank says it)."""
+    zero = cfg.zero_optimization
+    off = zero.offload_optimizer
+    tier, ratio = off.tier, off.ratio
+    split = can_split(store, by_group, tier, ratio)
+    fitted = ""
+    if tier is Tier.NVME:
+        def tail(groups) -> int:
+            in_state = shards_in_state(store, [g.params for g in groups], tier, ratio)
+            return 0 if in_state in (None, torch.float32) else in_state.itemsize
+
+        cfg, fitted, _ = fit_optimizer(cfg, by_group, lambda groups, size: pack(groups, size, split=split), tail,
+                                       split=split, say=say)
+        zero, off = cfg.zero_optimization, cfg.zero_optimization.offload_optimizer
+    sub_groups = pack(by_group, zero.sub_group_size, split=split, tier=tier, ratio=ratio)
+    in_state = shards_in_state(store, [g.params for g in sub_groups], tier, ratio)
+    return cfg, OffloadPlan(
+        param_tier=store.tier, optimizer_tier=tier, compute_dtype=store.dtype,
+        moments_dtype=MOMENT_DTYPES[off.moments_dtype],
+        shard_source=ShardSource.HOME if in_state is None else ShardSource.OPTIMIZER_FILE, shard_dtype=in_state,
+        split=split, sub_groups=tuple(sub_groups),
+        optimizer_buffers=off.buffer_count if any(g.tier is Tier.NVME for g in sub_groups) else 0, fitted=fitted)
+
