@@ -7,7 +7,7 @@ PIP ?= $(PYTHON) -m pip
 TORCH_PIN := torch==2.13.0
 STAMP := build/.deps-stamp
 
-.PHONY: deps build run test asan native-test clean
+.PHONY: deps build run test test-fast asan native-test clean
 
 $(STAMP): setup.py pyproject.toml native/install_deps.sh Makefile
 	bash native/install_deps.sh
@@ -34,6 +34,10 @@ run: build
 
 test: build
 	$(PYTHON) -m pytest -q tests
+
+# The fast tier (about 2 minutes): every test but those marked slow.
+test-fast: build
+	$(PYTHON) -m pytest -q -m "not slow" tests
 
 # The native tests (a C++ driver, no Python) under ASan + UBSan.
 asan: deps

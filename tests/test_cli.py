@@ -18,6 +18,7 @@ def run(*args):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_info(tmp_path):
     text = run("info", "--dir", str(tmp_path))
     assert text.startswith("infinity 0.1.0")
@@ -33,6 +34,7 @@ def test_info_bad_dir(tmp_path):
     assert out.returncode != 0 and f"info: --dir {tmp_path / 'nope'} is not a directory" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ring", [False, True], ids=["whole-file", "ring"])
 def test_bench_io_smoke_json(tmp_path, ring):
     backend = available_backends()[0]
@@ -50,6 +52,7 @@ def test_bench_io_smoke_json(tmp_path, ring):
     assert list(tmp_path.iterdir()) == [], "the benchmark file must be removed"
 
 
+@pytest.mark.slow
 def test_bench_io_sweep_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
     png = tmp_path / "heat.png"
@@ -63,6 +66,7 @@ def test_bench_io_sweep_table_and_plot(tmp_path):
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_bench_io_bad_size(tmp_path):
     out = subprocess.run(INFINITY + ["bench", "io", "--dir", str(tmp_path), "--size", "12 parsecs"],
                          capture_output=True, text=True)
@@ -70,6 +74,7 @@ def test_bench_io_bad_size(tmp_path):
     assert "--size: cannot read '12 parsecs' as a size; write e.g. 4096, 64KiB, 1MiB or 1GiB" in out.stderr
 
 
+@pytest.mark.slow
 def test_bench_adam_smoke_json():
     from infinity._native_loader import native
 
@@ -100,6 +105,7 @@ def test_bench_adam_bad_sizes():
     assert "--sizes: cannot read 'TEN' as a parameter count; write e.g. 10M or 1000000" in out.stderr
 
 
+@pytest.mark.slow
 def test_bench_swap_smoke_json(tmp_path):
     row = json.loads(run("bench", "swap", "--dir", str(tmp_path), "--numel", "200K", "--sub-group", "50K",
                          "--steps", "2", "--json").strip().splitlines()[-1])

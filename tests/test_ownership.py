@@ -51,6 +51,7 @@ def _step(e):
     e.step()
 
 
+@pytest.mark.slow
 def test_a_save_directory_is_one_live_process_s(tmp_path):
     """Another process saving checkpoints into a directory holds it: a save there is refused by name and writes
     nothing; once that process is killed (no close, no cleanup), the directory can be taken."""
@@ -130,6 +131,7 @@ def test_a_lock_whose_file_the_owner_removed_is_taken_on_a_fresh_file(tmp_path):
     second.release()
 
 
+@pytest.mark.slow
 def test_two_runs_cannot_save_into_one_directory(tmp_path, disk_dir):
     """Probe finding 1: two runs with different seeds and lrs saving to one --save-dir both exited 0, and every
     checkpoint was the second's. The second now stops before its first step with one line."""
@@ -165,6 +167,7 @@ def _copy(saved_run, tmp_path):
     return tmp_path / "ck"
 
 
+@pytest.mark.slow
 def test_resume_without_latest_takes_the_newest_complete_checkpoint(saved_run, tmp_path, disk_dir, capsys):
     """Probe finding 3: with `latest` gone (ENOSPC while writing it, a crash between rename and write) --resume
     retrained from step 0 over complete checkpoints."""

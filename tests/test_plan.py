@@ -258,6 +258,7 @@ def test_checkpointing_keeps_less_activation(small):
     assert activation_bytes(ckpt, 4, "bf16") < activation_bytes(small, 4, "bf16")
 
 
+@pytest.mark.slow
 def test_plan_command_writes_a_config_that_loads(tmp_path):
     out = tmp_path / "planned.json"
     proc = subprocess.run(INFINITY + ["plan", "--model", "gpt-small", "--memory-budget", "32MiB", "--nvme-path",
@@ -296,6 +297,7 @@ def test_bad_plan_arguments(args, message, capsys):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_train_within_a_budget_an_eighth_of_the_state(disk_dir, tmp_path):
     """The huge-model path in CI time: `infinity train --memory-budget` on a model whose training state
     (16 B/param) is over 8x the budget. The planner must put parameters and optimizer on NVMe, and the run's
@@ -326,6 +328,7 @@ def test_train_within_a_budget_an_eighth_of_the_state(disk_dir, tmp_path):
     assert list(disk_dir.glob("infinity-swap*/*")) == [], "swap files are removed at the end"
 
 
+@pytest.mark.slow
 def test_bench_plan_smoke(disk_dir):
     proc = subprocess.run(INFINITY + ["bench", "plan", "--models", "gpt-tiny", "--memory-budget", "64MiB",
                                       "--nvme-path", str(disk_dir), "--steps", "2", "--json"],
@@ -396,6 +399,7 @@ def test_predict_refuses_what_it_does_not_model(small, tmp_path):
         predict(small, RATES, cfg, raw)
 
 
+@pytest.mark.slow
 def test_the_predicted_run_of_a_shipped_config(disk_dir, tmp_path):
     """`infinity plan` without a budget against the run it predicts: the shipped both-on-NVMe config as written
     (clipping 1.0, so the step finishes in the next forward), one sequence a step. The memory model is pinned on

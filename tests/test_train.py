@@ -20,6 +20,7 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_train_writes_metrics_and_a_plot_and_the_loss_falls(tmp_path, disk_dir):
     out = train("--model", "gpt-tiny", "--steps", "12", "--lr", "3e-3", "--out", str(tmp_path / "run"),
                 "--nvme-path", str(disk_dir))
@@ -35,6 +36,7 @@ def test_train_writes_metrics_and_a_plot_and_the_loss_falls(tmp_path, disk_dir):
     assert not (disk_dir / "infinity-swap").exists(), "swap files are removed at the end"
 
 
+@pytest.mark.slow
 def test_train_on_two_ranks_through_torchrun(tmp_path, disk_dir):
     out = train("--model", "gpt-tiny", "--steps", "3", "--nproc", "2", "--out", str(tmp_path / "run"),
                 "--nvme-path", str(disk_dir))
@@ -98,6 +100,7 @@ def test_train_bad_input_is_one_clear_line(tmp_path, args, message, monkeypatch,
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_bench_train_smoke_json():
     out = subprocess.run(INFINITY + ["bench", "train", "--layers", "1", "--dim", "64", "--vocab", "256", "--seq",
                                      "32", "--heads", "4", "--steps", "3", "--warmup", "1", "--rounds", "1",
@@ -128,6 +131,7 @@ def test_out_naming_a_file_says_so(tmp_path):
     assert f"--out {tmp_path / 'f'} is a file; --out names the run directory" in out.stderr
 
 
+@pytest.mark.slow
 def test_seq_beyond_the_model_says_what_it_did(tmp_path, disk_dir):
     out = train("--model", "gpt-tiny", "--steps", "1", "--seq", "100000", "--out", str(tmp_path / "run"),
                 "--nvme-path", str(disk_dir))
@@ -189,6 +193,7 @@ def test_the_default_swap_dirs_of_killed_runs_are_reclaimed(tmp_path):
     live.release()
 
 
+@pytest.mark.slow
 def test_a_configs_nvme_path_that_the_run_does_not_use_is_named(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {
@@ -200,6 +205,7 @@ def test_a_configs_nvme_path_that_the_run_does_not_use_is_named(tmp_path):
     assert "(removed at the end), not the config's nvme_path /local_nvme; pass --nvme-path DIR to choose" in out.stdout
 
 
+@pytest.mark.slow
 def test_ranks_die_with_a_launcher_killed_with_sigkill(tmp_path, disk_dir):
     """Probe finding 8: a kill -9 of the --nproc launcher left its ranks training and saving. Now they stop in
     order ([Note: ranks die with their launcher]): swap files removed, and the --save-dir free for the next run."""

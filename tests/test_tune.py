@@ -23,6 +23,7 @@ def tune(*args, timeout=120):
     return subprocess.run(INFINITY + list(args), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @needs_native
 def test_sweep_prints_a_table_and_the_best_section_last(disk_dir, tmp_path):
     cfg = tmp_path / "cfg.json"
@@ -60,6 +61,7 @@ def test_sweep_prints_a_table_and_the_best_section_last(disk_dir, tmp_path):
     assert list(data.iterdir()) == [], "the test file must be removed"
 
 
+@pytest.mark.slow
 @needs_native
 def test_plot(disk_dir, tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib")

@@ -45,6 +45,7 @@ def assert_same_weights(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), f"{k}: max diff {(a[k] - b[k]).abs().max().item()}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier,dtype", [("none", "fp32"), ("cpu", "fp16"), ("nvme", "fp32"), ("nvme", "bf16")])
 def test_resume_is_bit_exact(disk_dir, tier, dtype):
     """N steps, save, a new process state, load, M more steps == N+M uninterrupted steps, bit for bit."""
@@ -76,6 +77,7 @@ def test_a_checkpoint_moves_between_offload_tiers(disk_dir):
     assert_same_weights(last["weights"], full["weights"])
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_bit_exactly_and_reshard_to_one_two_and_three(disk_dir):
     cfg = config("nvme", "fp32", disk_dir)
     full2 = spawn_train(2, cfg, STEPS, str(disk_dir / "full2.pt"))
@@ -202,6 +204,7 @@ def _param_shapes():
     return [p.shape for p in GPT(MODEL).parameters()]
 
 
+@pytest.mark.slow
 def test_save_and_load_memory_stays_near_the_pools(disk_dir):
     """Saving and loading a model whose state is ~10x the allowance grows RSS by a small constant only:
     the state streams through the swap pools the engine already holds (see infinity/checkpoint/save.py)."""
@@ -286,6 +289,7 @@ def test_scheduler_state_that_json_cannot_carry_round_trips(disk_dir):
         b.close()
 
 
+@pytest.mark.slow
 def test_parameters_smaller_than_the_world_reshard(disk_dir):
     """A 1-element parameter (rank 1 of 2 owns only padding, so writes no chunk) and a 5-element one: 2 -> 1
     and 1 -> 2 give the saved weights, and zarr reads the one-chunk array."""

@@ -49,6 +49,7 @@ def _check_resume(cfg, ck, root) -> int:
     return start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", CRASH_POINTS)
 def test_sigkill_at_each_commit_point(disk_dir, point):
     cfg = _cfg(disk_dir)
@@ -69,6 +70,7 @@ def test_sigkill_at_each_commit_point(disk_dir, point):
     assert not [p for p in os.listdir(ck) if p.startswith(".")]
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments(disk_dir):
     """Kill a run that saves after every step at random times; whatever latest names must resume exactly."""
     cfg = _cfg(disk_dir)

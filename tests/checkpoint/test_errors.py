@@ -234,6 +234,7 @@ def test_export_errors_leave_no_output(saved, tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
 
 
+@pytest.mark.slow
 def test_a_rank_dying_mid_save_fails_the_others_and_keeps_the_previous_checkpoint(disk_dir, tmp_path):
     from infinity.testing.ckpt import save_with_a_dying_rank
 

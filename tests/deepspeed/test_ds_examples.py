@@ -39,6 +39,7 @@ def no_swap_files_under(path):
     assert not left, f"the script exited and left swap files: {left}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first,then,nproc", [(("cpu", 1), ("nvme", 3), 1), (("none", 2), ("cpu", 3), 2)])
 def test_bert_mlm_resumes_where_it_saved_on_another_tier(first, then, nproc, tmp_path):
     """The uninterrupted run saves at steps 4 and 8 of 10. Pointing `latest` back at step 4 (as a user
@@ -74,6 +75,7 @@ def test_bert_mlm_resumes_where_it_saved_on_another_tier(first, then, nproc, tmp
     no_swap_files_under(nvme)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload,stage,nproc", [("none", 0, 1), ("cpu", 2, 1), ("nvme", 3, 2)])
 def test_cifar_cnn_trains_in_fp16_from_train_batch_size_alone(offload, stage, nproc, tmp_path):
     nvme = tmp_path / "nvme"

@@ -43,6 +43,7 @@ def run_sft(model_dir, tmp_path, *extra, nproc=1):
     return json.loads((tmp_path / "record.json").read_text()), proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload,nproc", [(None, 1), ("nvme", 1), ("cpu", 2)])  # cpu: on 2 ranks
 def test_deepspeed_chat_style_sft_saves_the_engines_weights(offload, nproc, model_dir, tmp_path):
     extra = [] if offload is None else ["--offload", "--offload_device", offload]

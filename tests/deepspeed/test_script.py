@@ -86,12 +86,14 @@ def check(record, ckpt, world):
     assert abs(float(state["head.weight"].float().norm()) - record["head_norm"]) <= 1e-6 * record["head_norm"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
 def test_deepspeed_style_script_runs_with_only_the_import_changed(tier, tmp_path):
     record, ckpt = run_script(tmp_path, tier)
     check(record, ckpt, world=1)
 
 
+@pytest.mark.slow
 def test_deepspeed_style_script_on_two_gloo_ranks(tmp_path):
     record, ckpt = run_script(tmp_path, "nvme", nproc=2)
     check(record, ckpt, world=2)

@@ -10,12 +10,14 @@ from infinity.testing.construct_memory import in_child
 CONSTANT = 40 * 2**20
 
 
+@pytest.mark.slow
 def test_a_parent_level_init_loop_builds_within_one_module_plus_the_buffers(disk_dir, tmp_path):
     r = in_child("stack", str(tmp_path / "r.json"), str(disk_dir))
     assert r["state_bytes"] >= 8 * r["pool_bytes"], r
     assert r["peak_over_baseline"] <= r["largest_bytes"] + r["pool_bytes"] + CONSTANT, r
 
 
+@pytest.mark.slow
 def test_from_pretrained_streams_within_one_tensor_plus_the_buffers(disk_dir, tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (make deps installs it)")
     cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=14,

@@ -77,6 +77,7 @@ def _spawn(kind, tier, disk_dir, tmp_path, hf_dir=None):
     return torch.load(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,tier", [("nanogpt", "nvme"), ("parent", "cpu")])
 def test_two_ranks_build_the_plain_values_and_train_like_torch(kind, tier, disk_dir, tmp_path):
     torch.manual_seed(0)
@@ -101,6 +102,7 @@ def test_two_ranks_build_the_plain_values_and_train_like_torch(kind, tier, disk_
         engine.close()
 
 
+@pytest.mark.slow
 def test_two_ranks_stream_from_pretrained(disk_dir, tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (make deps installs it)")
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

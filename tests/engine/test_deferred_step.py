@@ -127,6 +127,7 @@ def same(a, b):
     assert not bad, f"differ: {bad[:5]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision,params,gas", [("bf16", "nvme", 1), ("fp32", "nvme", 2), ("bf16", "cpu", 1)])
 def test_the_deferred_step_is_the_same_step(disk_dir, precision, params, gas):
     """Losses and weights equal the step after backward's, bit for bit; the step really is left to forward."""

@@ -1,8 +1,11 @@
 """Several ranks on gloo over 127.0.0.1: failure handling (parity across ranks is in test_parity.py)."""
 
+import pytest
+
 from infinity.testing.parity import engine_config, run_with_a_dying_rank
 
 
+@pytest.mark.slow
 def test_a_dead_rank_makes_the_other_fail_with_a_clear_error_in_bounded_time(tmp_path):
     cfg = engine_config("cpu", **{"infinity.comm_timeout_s": 30})
     record = run_with_a_dying_rank(cfg, str(tmp_path / "rank0.json"))
@@ -12,6 +15,7 @@ def test_a_dead_rank_makes_the_other_fail_with_a_clear_error_in_bounded_time(tmp
     assert record["seconds"] < 30, record
 
 
+@pytest.mark.slow
 def test_a_hung_rank_makes_the_other_fail_after_the_comm_timeout(tmp_path):
     cfg = engine_config("cpu", **{"infinity.comm_timeout_s": 4})
     record = run_with_a_dying_rank(cfg, str(tmp_path / "rank0.json"), how="hang")
@@ -64,6 +68,7 @@ def _threads_rank(rank, world, port, out_path):
             json.dump(record, f)
 
 
+@pytest.mark.slow
 def test_destroy_process_group_ends_the_gloo_threads(tmp_path):
     # [Note: a process group that outlives destroy_process_group] in infinity/engine/comm.py: a group kept
     # alive by torch.distributed.nn's default arguments took its threads into interpreter shutdown.
@@ -81,6 +86,7 @@ def test_destroy_process_group_ends_the_gloo_threads(tmp_path):
     assert record["after"] == [], f"gloo threads still running after destroy_process_group: {record['after']}"
 
 
+@pytest.mark.slow
 def test_a_group_never_destroyed_is_destroyed_at_exit(tmp_path):
     # DeepSpeed-style scripts never call destroy_process_group; a gloo group alive into interpreter shutdown
     # aborted a rank now and then ([Note: a process group that outlives destroy_process_group]).

@@ -53,6 +53,7 @@ def test_hugging_face_gpt2_from_its_config_matches_torch_on_nvme(disk_dir):
     assert max(abs(a - b) / a for a, b in zip(want, got)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_peak_rss_stays_near_the_buffers_while_the_state_is_many_times_larger(disk_dir, tmp_path):
     r = memory_run_in_child(str(disk_dir), str(tmp_path / "mem.json"))
     assert r["state_bytes"] >= 4 * r["pool_bytes"], "the model must not fit in the buffers"

@@ -172,6 +172,7 @@ def test_changing_module_order_and_reuse_stay_exact(disk_dir):
     assert any(h.recorded for h in history[1:]), "the changed order must trigger a new trace"
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_match_one_rank(reference, tmp_path):
     # small buckets: many asynchronous reduce-scatters in flight during backward
     cfg = engine_config("none", **{"zero_optimization.reduce_bucket_size": 5000})
@@ -179,6 +180,7 @@ def test_two_gloo_ranks_match_one_rank(reference, tmp_path):
     assert rel_err(reference, got) <= 1e-5
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_on_nvme_match_one_rank(reference, disk_dir, tmp_path):
     got = spawn_losses(2, tier_config("nvme", disk_dir), 6, str(tmp_path / "losses.json"))
     assert rel_err(reference[:6], got) <= 1e-5
@@ -327,6 +329,7 @@ def test_a_shard_whose_group_write_never_ran_is_refused_not_read_stale(disk_dir)
         engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("over,kw", [({"bf16.enabled": True}, {}), ({"fp16.enabled": True}, {}),
                                      ({"bf16.enabled": True,
                                        "zero_optimization.offload_optimizer.moments_dtype": "bf16"}, {}),
@@ -350,6 +353,7 @@ def _without_lending(monkeypatch):
     monkeypatch.setattr(ShardedAdam, "lend", lambda self, mp, **_: None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("over,lends", [({}, True), ({"bf16.enabled": True}, True),
                                         ({"zero_optimization.offload_optimizer.buffer_count": 2}, True),
                                         ({"gradient_clipping": 0.5}, True),

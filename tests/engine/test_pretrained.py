@@ -49,6 +49,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_from_pretrained_under_zero_init_matches_plain_from_pretrained(kind, tier, tmp_path, disk_dir):
@@ -114,6 +115,7 @@ def lora(model):
     return peft.get_peft_model(model, cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", TIERS)
 def test_peft_lora_on_a_partitioned_from_pretrained_model(tier, tmp_path, disk_dir):
     path = saved(tmp_path, llama_config())

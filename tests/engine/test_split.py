@@ -149,6 +149,7 @@ def test_a_split_shard_without_a_gradient_in_the_last_micro_batch_keeps_what_it_
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_with_the_parameters_in_ram_a_split_shard_trains_as_the_whole(disk_dir, tmp_path, precision):
     """ZeRO-Offload's layout (parameters in RAM, optimizer on NVMe): each piece's new weights are written into

@@ -229,6 +229,7 @@ os._exit(0)  # dies without close(): its fp32 swap files stay
 """
 
 
+@pytest.mark.slow
 def test_leftovers_reuse_after_a_crashed_run_of_another_layout_trains_like_a_clean_run(tmp_path):
     out = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path / "crashed")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

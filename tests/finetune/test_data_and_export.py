@@ -44,6 +44,7 @@ def rows_of(w: fdata.Windows) -> list:
     return [(r["input_ids"].tolist(), r["labels"].tolist()) for r in w.dataset]
 
 
+@pytest.mark.slow
 def test_windows_are_prepared_once_in_a_child_and_then_reused(files, tmp_path, monkeypatch):
     tok = transformers.AutoTokenizer.from_pretrained(files["llama"])
     data = tmp_path / "text.jsonl"
@@ -75,6 +76,7 @@ def test_windows_are_prepared_once_in_a_child_and_then_reused(files, tmp_path, m
     assert len(os.listdir(tmp_path / "cache" / "infinity-windows")) == 3
 
 
+@pytest.mark.slow
 def test_every_input_format_gives_the_windows_of_the_same_rows(files, tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(files["gpt2"])
     texts = [json.loads(line)["text"] for line in open(files["text"])]
@@ -106,6 +108,7 @@ def test_every_input_format_gives_the_windows_of_the_same_rows(files, tmp_path):
     assert txt.dataset[1]["input_ids"].tolist() == stream[64:128]
 
 
+@pytest.mark.slow
 def test_a_data_error_found_in_the_child_reaches_the_caller_as_it_was_raised(files, tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(files["llama"])
     bad = tmp_path / "chat.jsonl"
@@ -115,6 +118,7 @@ def test_a_data_error_found_in_the_child_reaches_the_caller_as_it_was_raised(fil
     assert os.listdir(tmp_path / "cache" / "infinity-windows") == [], "a failed preparation leaves no entry"
 
 
+@pytest.mark.slow
 def test_epochs_read_every_window_once_per_epoch(files, tmp_path, disk_dir):
     tok = transformers.AutoTokenizer.from_pretrained(files["gpt2"])
     w = fdata.windows(files["text"], tok, 64)
@@ -134,6 +138,7 @@ def test_epochs_read_every_window_once_per_epoch(files, tmp_path, disk_dir):
         [sched.indices(s, 0, 0) for s in range(per_epoch, 2 * per_epoch)], "each epoch is shuffled anew"
 
 
+@pytest.mark.slow
 def test_merged_lora_from_the_run_and_from_its_checkpoint_equal_peffs_merge(files, tmp_path, disk_dir):
     peft = pytest.importorskip("peft", reason="peft is not installed (make deps installs it)")
     ck = tmp_path / "ck"
@@ -168,6 +173,7 @@ def test_merged_lora_from_the_run_and_from_its_checkpoint_equal_peffs_merge(file
     assert refused.returncode != 0 and "--merge-lora goes with --hf OUT_DIR" in refused.stderr
 
 
+@pytest.mark.slow
 def test_merge_lora_export_of_a_checkpoint_without_peft_says_so(files, tmp_path, disk_dir):
     ck = tmp_path / "ck"
     out = run("train", "--model", files["gpt2"], "--data", files["text"], "--config", config(tmp_path), "--seq", "64",
@@ -179,6 +185,7 @@ def test_merge_lora_export_of_a_checkpoint_without_peft_says_so(files, tmp_path,
     assert "Traceback" not in refused.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_alone_stops_every_rank_and_removes_swap_files(files, tmp_path, disk_dir):
     nvme = disk_dir / "swap"
     proc = subprocess.Popen(INFINITY + ["train", "--model", files["llama"], "--data", files["text"], "--config",

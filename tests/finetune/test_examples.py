@@ -33,6 +33,7 @@ def run_example(script: str, tiny, tmp_path, disk_dir, steps: int):
     return out
 
 
+@pytest.mark.slow
 def test_python_loop_example_writes_a_model_that_loads(tiny, tmp_path, disk_dir):
     import transformers
 
@@ -42,6 +43,7 @@ def test_python_loop_example_writes_a_model_that_loads(tiny, tmp_path, disk_dir)
     assert not any(disk_dir.rglob("*.swp"))
 
 
+@pytest.mark.slow
 def test_cli_example_trains_and_generates(tiny, tmp_path, disk_dir):
     """With LoRA (the script's full fine-tuning path is the same command without --lora, which
     tests/finetune/test_train_hf.py runs)."""
@@ -56,6 +58,7 @@ def test_cli_example_trains_and_generates(tiny, tmp_path, disk_dir):
     assert out.stdout.strip().splitlines()[-1].strip(), "a generated line"
 
 
+@pytest.mark.slow
 def test_trainer_example_trains_checkpoints_and_saves_a_model_that_loads(tiny, tmp_path, disk_dir):
     import transformers
 
@@ -67,6 +70,7 @@ def test_trainer_example_trains_checkpoints_and_saves_a_model_that_loads(tiny, t
     assert not any(disk_dir.rglob("*.swp"))
 
 
+@pytest.mark.slow
 def test_bench_finetune_smoke(tmp_path):
     import json
 

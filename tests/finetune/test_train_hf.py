@@ -70,6 +70,7 @@ def first_batch_loss(model_dir, data, seq, micro, seed=0):
         return model(**batch).loss.item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_fine_tune_a_pretrained_directory_on_nvme(arch, files, tmp_path, disk_dir):
     run = tmp_path / "run"
@@ -138,6 +139,7 @@ def test_chat_labels_cover_exactly_the_assistant_tokens(files):
         assert [tok.decode(s) for s in spans] == [a + "<|end|>" for a in answers]
 
 
+@pytest.mark.slow
 def test_prompt_completion_masks_the_prompt(files):
     tok = transformers.AutoTokenizer.from_pretrained(files["llama"])
     w = fdata.windows(files["pc"], tok, 128)
@@ -151,6 +153,7 @@ def test_prompt_completion_masks_the_prompt(files):
     assert int(first["attention_mask"].sum()) == len(prompt) + len(kept)
 
 
+@pytest.mark.slow
 def test_chat_fine_tune_on_two_ranks_matches_one_rank(files, tmp_path, disk_dir):
     """Each rank takes its share of every global batch: 1 x 4 and 2 x 2 see the same windows per step."""
     losses = {}
@@ -169,6 +172,7 @@ def test_chat_fine_tune_on_two_ranks_matches_one_rank(files, tmp_path, disk_dir)
     assert losses[2][-1] < losses[2][0]
 
 
+@pytest.mark.slow
 def test_lora_bf16_with_partitioned_adapters_trains_and_exports(files, tmp_path, disk_dir):
     peft = pytest.importorskip("peft", reason="peft is not installed (make deps installs it)")
     cfg = config(tmp_path, bf16={"enabled": True})
@@ -185,6 +189,7 @@ def test_lora_bf16_with_partitioned_adapters_trains_and_exports(files, tmp_path,
     assert b.abs().sum() > 0, "lora_B starts at zero: a trained adapter has moved it"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ctrl_c_leaves_no_swap_files_and_says_where_it_stopped(nproc, files, tmp_path, disk_dir):
     """Ctrl-C in a terminal signals the whole foreground process group: the launcher and every rank."""
@@ -209,6 +214,7 @@ def test_ctrl_c_leaves_no_swap_files_and_says_where_it_stopped(nproc, files, tmp
     assert not any(nvme.rglob("*.swp"))
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_naming_the_step_and_lr(files, tmp_path, disk_dir):
     out = train("--model", files["gpt2"], "--data", files["text"], "--config", config(tmp_path), "--steps", "20",
                 "--seq", "64", "--lr", "1e9", "--nvme-path", str(disk_dir), "--out", str(tmp_path / "run"))
@@ -249,6 +255,7 @@ def test_schedule_gives_every_rank_disjoint_windows_covering_each_step(world, mi
     assert len(set(epoch)) == len(epoch) == sched.steps_per_epoch * sched.per_step
 
 
+@pytest.mark.slow
 def test_eval_in_the_metrics_and_resume_refuses_another_data_order(files, tmp_path, disk_dir):
     common = ["--model", files["gpt2"], "--data", files["text"], "--config", config(tmp_path), "--seq", "64",
               "--eval-fraction", "0.1", "--nvme-path", str(disk_dir), "--save-dir", str(tmp_path / "ck")]

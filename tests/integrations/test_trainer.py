@@ -86,6 +86,7 @@ def infinity_trainer(model_dir, out, cfg, **over):
                            data_collator=DataCollatorForLanguageModeling(tok, mlm=False), processing_class=tok)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
 def test_losses_lrs_and_norms_are_the_trainers(tier, model_dir, vanilla, tmp_path):
     t = infinity_trainer(model_dir, tmp_path / "out", zero3(tier, tmp_path))
@@ -182,6 +183,7 @@ def test_a_lora_model_trains_through_the_trainer(model_dir, tmp_path):
     t.engine.close()
 
 
+@pytest.mark.slow
 def test_two_ranks_agree_with_one(model_dir, vanilla, tmp_path):
     """2 gloo ranks with per-device batch 1 train on the global batches one rank with batch 2 trains on."""
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -191,6 +191,7 @@ def _tasks():
     return out
 
 
+@pytest.mark.slow
 def test_many_handle_lifetimes(native_backend, disk_dir):
     """100 handles, each with 2 workers, come and go: every one's I/O lands byte-exact, and closing
     them leaves no file descriptor and no thread behind."""

@@ -85,6 +85,7 @@ def test_zero_byte_write_is_an_error(native_backend, needs_native, data):
             h.write(src, path)
 
 
+@pytest.mark.slow
 def test_fault_from_environment(native_backend, needs_native, data):
     _, path = data
     code = ("import numpy as np, sys\nfrom infinity.io import AsyncIO\n"

@@ -27,6 +27,7 @@ def _misaligned(n, shift, seed=0):
     return view
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("offset", [0, 1, 4096, 4097 + 8192])
 @pytest.mark.parametrize("shift", [0, 3])
@@ -42,6 +43,7 @@ def test_round_trip_sizes_offsets_alignment(backend, disk_dir, size, offset, shi
     assert np.array_equal(src, dst)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift", [0, 5])
 def test_round_trip_64mib_plus_123(backend, disk_dir, shift):
     n = (64 << 20) + 123
@@ -143,6 +145,7 @@ def _batches(draw):
     return rounds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("queue_depth,threads", [(32, 1), (3, 2)])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rounds=_batches(), seed=st.integers(0, 2 ** 31))

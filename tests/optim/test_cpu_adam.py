@@ -45,6 +45,7 @@ def _run(simd_level, monkeypatch, n, offset, grad_dtype, lowp, **kw):
     return p, m, v, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [0, 1, 15, 17, 1_000_003])
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("grad_dtype,lowp", [(torch.float32, None), (torch.bfloat16, torch.bfloat16),

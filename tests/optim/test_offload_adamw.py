@@ -259,6 +259,7 @@ def test_the_trainer_trains_with_it(tmp_path):
     opt.close()
 
 
+@pytest.mark.slow
 def test_ddp_on_two_ranks_matches_one_process_over_the_global_batch(tmp_path):
     ref, _, _ = train(torch_adamw, steps=8)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -271,6 +272,7 @@ def test_ddp_on_two_ranks_matches_one_process_over_the_global_batch(tmp_path):
     assert not list(tmp_path.rglob("*.swp"))
 
 
+@pytest.mark.slow
 def test_lightning_trains_and_resumes_with_it(tmp_path):
     """A LightningModule whose configure_optimizers returns OffloadAdamW (nvme) with a per-step warmup schedule,
     under Lightning's Trainer with gradient_clip_val and accumulate_grad_batches: Lightning calls step(closure)
