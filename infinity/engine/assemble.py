@@ -58,8 +58,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     if store is None:
         store = current_store() or build_store(cfg, comm,
                                                largest_shard_numel=pool_shard_numel(cfg, model, comm.world))
-    store.set_buckets(reduce_bucket=cfg.zero_optimization.reduce_bucket_size,  # "auto" may be the model's now
-                      prefetch_bucket=cfg.zero_optimization.stage3_prefetch_bucket_size)
+    store.set_prefetch_bucket(cfg.zero_optimization.stage3_prefetch_bucket_size)  # "auto" may be the model's now
     if not cfg.optimizer_given:
         hp = cfg.optimizer.params
         log.warning("infinity: the config has no optimizer section: training with %s lr %g, betas %s, eps %g, "

@@ -43,8 +43,8 @@ def build_store(cfg: Config, comm: Comm, *, largest_shard_numel: int | None = No
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
     store = ParamStore(comm, tier=tier, dtype=compute_dtype(cfg), device=compute_device(), persistence=persistence,
                        stage=zero.stage, swap=swap, max_in_cpu=zero.offload_param.max_in_cpu,
-                       max_live=zero.stage3_max_live_parameters, reduce_bucket=zero.reduce_bucket_size,
-                       prefetch_bucket=zero.stage3_prefetch_bucket_size, reuse_distance=zero.stage3_max_reuse_distance)
+                       max_live=zero.stage3_max_live_parameters, prefetch_bucket=zero.stage3_prefetch_bucket_size,
+                       reuse_distance=zero.stage3_max_reuse_distance)
     lifetime.track(store, remove_at_exit=cfg.infinity.remove_swap_at_exit)  # [Note: swap files die with the process]
     if swap is not None:  # kept alive by its reaper threads until closed, even once the store is collected
         lifetime.track(swap.swapper, remove_at_exit=cfg.infinity.remove_swap_at_exit)

@@ -128,7 +128,7 @@ class Engine(ModuleSurface, DeepSpeedSurface):
         try:
             with self._span("backward"), self.hooks.saved_tensors():
                 scaled.backward(retain_graph=retain_graph)
-            self.store.flush_grads()
+            self.optimizer.flush_grads()
             if overlap:
                 self._overlapped = self.optimizer.end_overlapped_step()
         except BaseException:
@@ -207,7 +207,8 @@ class Engine(ModuleSurface, DeepSpeedSurface):
             step=self.global_steps + self.skipped_steps, skipped=overflow, loss_scale=self.scaler.scale,
             grad_norm=norm, step_s=t1 - self._t_last, optimizer_s=t1 - t0,
             param_fetches=sum(s.fetches for s in fs), prefetch_hits=sum(s.hits for s in fs),
-            param_lent=sum(s.lent for s in fs), param_staged=sum(s.staged for s in fs), param_stall_s=sum(s.stall_s for s in fs),
+            param_lent=sum(s.lent for s in fs), param_staged=sum(s.staged for s in fs),
+            param_stall_s=sum(s.stall_s for s in fs),
             optimizer_io_wait_s=stats.io_wait_s + self.optimizer.deferred_wait_s - self._deferred_mark,
             param_read_bytes=sum(s.bytes_read for s in fs), optimizer_read_bytes=stats.bytes_read,
             optimizer_write_bytes=stats.bytes_written,

@@ -13,6 +13,7 @@ import abc
 
 import torch
 
+from infinity.engine.plan import ShardSource
 from infinity.swap.tier import HOST, Tier
 
 
@@ -120,9 +121,17 @@ class NvmeHome(ShardHome):
     def swapper(self):
         return self.store.swap.swapper
 
+    def in_optimizer_file(self, mp) -> bool:
+        """mp's shard is read from its slice of the optimizer's file (ShardSource.OPTIMIZER_FILE, trained)."""
+        return self.store.shard_source is ShardSource.OPTIMIZER_FILE and mp.trainable
+
+    def reader_of(self, mp):
+        """What reads mp's shard: the optimizer-slice reader (alias.py), or the parameter swapper."""
+        return self.store.alias if self.in_optimizer_file(mp) else self.swapper
+
     def swap_id(self, mp, dtype: torch.dtype | None = None) -> str:
-        """The partition that holds mp's shard (of `dtype`, default the current one)."""
-        if self.store.alias is not None and mp.trainable:
+        """The id of mp's shard in its reader (the partition, of `dtype`, default the current one)."""
+        if self.in_optimizer_file(mp):
             return f"alias/{mp.index}"
         return f"param/{mp.index}/{str(dtype or mp.swap_dtype).replace('torch.', '')}"
 
@@ -146,7 +155,7 @@ class NvmeHome(ShardHome):
         store = self.store
         if store.scheduler is not None and scheduled:
             return store.scheduler.fetch(mp, sid, dtype, assemble)
-        reader = store.reader()
+        reader = self.reader_of(mp)
         view = reader.swap_in(sid).wait()
         try:
             shard = view.to(dtype)
@@ -155,7 +164,7 @@ class NvmeHome(ShardHome):
             reader.release(sid)
 
     def write(self, mp, values: torch.Tensor, dtype: torch.dtype):
-        if self.store.alias is not None and mp.trainable:
+        if self.in_optimizer_file(mp):
             raise RuntimeError(f"{mp.name}: its shard lives in the optimizer's file (alias mode); "
                                "only the optimizer writes it")
         if mp.swap_dtype != dtype:

@@ -110,10 +110,11 @@ import math
 
 import torch
 
+from infinity.engine.buckets import GradientBuckets
 from infinity.engine.comm import Comm
 from infinity.engine.deferred import DeferredStep
 from infinity.engine.params import ParamStatus, ParamStore
-from infinity.engine.plan import OffloadPlan
+from infinity.engine.plan import OffloadPlan, ShardSource
 from infinity.optim import grads_finite
 from infinity.swap.pipeline import Mode, StatePipeline
 from infinity.swap.state import DeviceState, GroupState, HostState, NvmeState, state_bytes
@@ -223,6 +224,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._last_order: list[int] = []  # the last completed one's (see _read_ahead)
         self._deferred: DeferredStep | None = None  # the rest of the last step, finished by the next forward
         self.deferred_wait_s = 0.0  # what deferred steps made their callers wait, in all (the engine reports it)
+        self.buckets = GradientBuckets(comm, self, cfg.zero_optimization.reduce_bucket_size)
         store.attach(self)
         self._init_state()
 
@@ -314,6 +316,15 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------- gradients
 
+    def take_grad(self, mp, grad: torch.Tensor) -> None:
+        """The store's hook hands over mp's full gradient: bucketed to its owner rank ([Note: gradient
+        buckets] in buckets.py), which adds it to mp's gradient shard (grad_for) and says so (grad_ready)."""
+        self.buckets.add(mp, grad)
+
+    def flush_grads(self) -> None:
+        """The end of backward: every gradient bucketed so far lands in its shard."""
+        self.buckets.flush(final=True)
+
     def grad_for(self, mp) -> torch.Tensor:
         """The fp32 gradient shard of `mp`, allocating its group's buffer on first use."""
         if self._deferred is not None:
@@ -398,7 +409,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def _drop_staged(self) -> None:
         """Before the state changes: the copies the last deferred step staged and nobody took go back ([Note:
         stepped shards are staged] in deferred.py)."""
-        if self.store.alias is not None:
+        if self.store.shard_source is ShardSource.OPTIMIZER_FILE:
             self.store.alias.drop_staged()
 
     def begin_overlapped_step(self) -> None:
@@ -572,8 +583,9 @@ class ShardedAdam(torch.optim.Optimizer):
         self.store.flush()
         self.store.refresh_persistent()
         if later:
+            from_file = self.store.shard_source is ShardSource.OPTIMIZER_FILE
             self._deferred = DeferredStep(self, later, {g.index: works[g.index] for g in later}, stats,
-                                          wait_writes=self.store.alias is not None)
+                                          wait_writes=from_file)
             self._deferred.poll()  # the first reads start now
         return False, norm, stats
 
@@ -642,7 +654,8 @@ class ShardedAdam(torch.optim.Optimizer):
         """The group's new weights (views.param, and `lowp` if the kernel wrote the compute-dtype copy there)
         become the store's shards."""
         master = views.param
-        if self.store.alias is not None:  # the group's own write carries the shards, and their checksums
+        # From the optimizer's file, the group's own write carries the shards and their checksums.
+        if self.store.shard_source is ShardSource.OPTIMIZER_FILE:
             base, size = 0, 4
             if views.lowp is not None:
                 if lowp is None:  # not stepped (a checkpoint load): the copy is made from the master

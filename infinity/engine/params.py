@@ -19,15 +19,6 @@ placeholder has a storage of its own, so its address names its parameter
 (`ParamStore.placeholder_owner`): that is how [Note: partitioned access] in
 construct.py finds the parameter an op is really about.
 
-[Note: gradient buckets]
-With several ranks, full gradients are collected in a bucket of up to
-`reduce_bucket_size` elements, packed rank-major (row r holds every shard
-rank r owns), and reduce-scattered as one collective: NCCL's reduce-scatter,
-or gloo's all-reduce and a slice. A bucket's collective runs asynchronously
-while backward produces the next bucket, and lands (is added to the owners'
-fp32 gradients) when the next bucket is sent or backward ends. Every rank
-fills its buckets in the same order, because its graph is the same.
-
 [Note: gathered from the buffer]
 A gather assembles the full parameter from the memory the shard is read
 into: a pool buffer, the optimizer's state (a lent shard), or a RAM home's
@@ -64,6 +55,7 @@ import torch
 
 from infinity.engine.comm import Comm
 from infinity.engine.homes import NvmeHome, RamHome
+from infinity.engine.plan import ShardSource
 from infinity.engine.scheduler import PrefetchScheduler
 from infinity.swap.tier import HOST, Tier
 
@@ -129,22 +121,6 @@ class ManagedParam:
         """SHARDED, but `param.data` is no longer the placeholder: user code ran `p.data = t`."""
         return (self.status is ParamStatus.SHARDED and self.placeholder is not None
                 and self.param.untyped_storage().data_ptr() != self.placeholder.untyped_storage().data_ptr())
-
-
-class _AliasRouter:
-    """swap_in/release by swap id: `alias/...` from the optimizer's files, the rest from the parameter files."""
-
-    def __init__(self, alias, swapper):
-        self.alias, self.swapper = alias, swapper
-
-    def _for(self, sid: str):
-        return self.alias if sid.startswith("alias/") else self.swapper
-
-    def swap_in(self, sid: str, **kw):
-        return self._for(sid).swap_in(sid, **kw)
-
-    def release(self, sid: str, **kw):
-        return self._for(sid).release(sid, **kw)
 
 
 def placeholder(shape, dtype, device) -> torch.Tensor:
@@ -243,11 +219,8 @@ class OptimizerLink(Protocol):
     pending: object
     """Its unfinished last step (deferred.DeferredStep), or None."""
 
-    def grad_for(self, mp: ManagedParam) -> torch.Tensor:
-        """mp's fp32 gradient shard, to add this backward's gradient into."""
-
-    def grad_ready(self, mp: ManagedParam) -> None:
-        """mp's gradient of this backward has been added."""
+    def take_grad(self, mp: ManagedParam, grad: torch.Tensor) -> None:
+        """mp's full gradient of this backward, as autograd made it (the optimizer reduces it to its owner)."""
 
     def lend(self, mp: ManagedParam, *, backward: bool):
         """mp's master weights from the group state (a future), or None."""
@@ -263,11 +236,11 @@ class ParamStore:
     """The shards of every managed parameter of one rank, and gather / release / write-back."""
 
     def __init__(self, comm: Comm, *, tier: Tier, dtype: torch.dtype, device: torch.device, persistence: int,
-                 stage: int, swap=None, max_in_cpu: int = 0, max_live: int = 1 << 62, reduce_bucket: int = 1 << 62,
-                 prefetch_bucket: int = 0, reuse_distance: int = 0):
+                 stage: int, swap=None, max_in_cpu: int = 0, max_live: int = 1 << 62, prefetch_bucket: int = 0,
+                 reuse_distance: int = 0):
         """swap: a SwapContext-like (.pool, .swapper) for an NVMe tier, which then comes with a PrefetchScheduler
         of prefetch_bucket elements ahead and reuse_distance (stage3_prefetch_bucket_size,
-        stage3_max_reuse_distance). max_live: stage3_max_live_parameters; reduce_bucket: reduce_bucket_size."""
+        stage3_max_reuse_distance). max_live: stage3_max_live_parameters."""
         self.comm = comm
         self.tier = tier
         """Where shards go (offload_param.device); with NVMe, up to max_in_cpu elements stay in host RAM."""
@@ -283,7 +256,9 @@ class ParamStore:
         self.swap = swap  # SwapContext-like: .pool, .swapper (tier nvme only)
         self.scheduler = PrefetchScheduler(self, prefetch_bucket, reuse_distance) if swap is not None else None
         self.params: list[ManagedParam] = []
-        self.alias = None  # OptimizerSliceReader in alias mode (alias.py)
+        self.alias = None  # the OptimizerSliceReader, from alias_to() on (alias.py)
+        self.shard_source = ShardSource.HOME
+        """Where trained shards are read from between uses (the plan's; OPTIMIZER_FILE from alias_to() on)."""
         self.max_live = max_live
         self.live_elements = 0
         self.peak_live_elements = 0
@@ -291,10 +266,6 @@ class ParamStore:
         self.frozen = False  # from finish_setup() (end of initialize): the optimizer owns the master weights
         self._optimizer: OptimizerLink | None = None  # attach(): who takes the gradients and owns the masters
         self.first_use: dict[int, int] = {}  # mp.index -> its place in the order forwards first gathered them
-        self.reduce_bucket = reduce_bucket
-        self._bucket: list = []
-        self._bucket_elements = 0
-        self._in_flight = None
         self.defer_writes = False  # inside writes_deferred() (from_pretrained builds): adopt() skips writing shards
         self.access = None  # construct.PartitionedAccess while the model is being built (zero_init -> initialize)
         self._closed = False
@@ -308,10 +279,9 @@ class ParamStore:
         its construction)."""
         self._optimizer = optimizer
 
-    def set_buckets(self, *, reduce_bucket: int, prefetch_bucket: int) -> None:
-        """reduce_bucket_size and stage3_prefetch_bucket_size as initialize resolved them ("auto" is filled in
-        from the model, which a store made under zero_init did not know yet)."""
-        self.reduce_bucket = reduce_bucket
+    def set_prefetch_bucket(self, prefetch_bucket: int) -> None:
+        """stage3_prefetch_bucket_size as initialize resolved it ("auto" is filled in from the model, which a
+        store made under zero_init did not know yet)."""
         if self.scheduler is not None:
             self.scheduler.resize(prefetch_bucket)
 
@@ -565,11 +535,6 @@ class ParamStore:
         else:
             mp.home.keep(mp, shard)
 
-    def reader(self):
-        """What shard reads go through: the parameter swapper, or in alias mode a router that sends trainable
-        parameters to the optimizer-slice reader (alias.py) and frozen ones to their own files."""
-        return _AliasRouter(self.alias, self.swap.swapper) if self.alias is not None else self.swap.swapper
-
     def alias_to(self, reader) -> None:
         """Trainable shards are read from the optimizer's files from now on, in reader.dtype (see [Note: fp32
         shards live in the optimizer file] and [Note: compute-dtype shards in the optimizer file]); their own
@@ -579,6 +544,7 @@ class ParamStore:
                 mp.home.forget(mp)
                 mp.swap_dtype = reader.dtype
         self.alias = reader
+        self.shard_source = ShardSource.OPTIMIZER_FILE
 
     def retain(self, keep: set) -> None:
         """Forget managed parameters the model no longer holds (e.g. replaced by a tied weight)."""
@@ -711,55 +677,14 @@ class ParamStore:
     # ----------------------------------------------------------------- grads
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
-        """post-accumulate-grad hook: hand the full gradient to its owner rank (see [Note: gradient buckets])."""
+        """post-accumulate-grad hook: hand the full gradient to the optimizer, which takes it to its owner rank
+        (see [Note: gradient buckets] in buckets.py)."""
         mp = managed(param)
         g = param.grad
         param.grad = None
         if g is None or self._optimizer is None or not mp.trainable:
             return  # a parameter outside every optimizer group is not trained (see [Note: parameter groups])
-        flat = g.reshape(-1).to(torch.float32)
-        if self.comm.world == 1:  # [:numel]: a zero-size parameter still has a one-element shard
-            dst = self._optimizer.grad_for(mp)
-            dst[:mp.numel].add_(flat.to(dst.device))
-            self._optimizer.grad_ready(mp)
-            return
-        pad = mp.part * self.comm.world - mp.numel
-        if pad:
-            flat = torch.nn.functional.pad(flat, (0, pad))
-        self._bucket.append((mp, flat))
-        self._bucket_elements += flat.numel()
-        if self._bucket_elements >= self.reduce_bucket:
-            self.flush_grads(final=False)
-
-    def flush_grads(self, *, final: bool = True) -> None:
-        """Reduce-scatter the bucket; with final, also wait for it (end of backward)."""
-        if self._bucket:
-            items, self._bucket, self._bucket_elements = self._bucket, [], 0
-            world = self.comm.world
-            parts = sum(mp.part for mp, _ in items)
-            packed = torch.empty(world, parts, dtype=torch.float32, device=items[0][1].device)
-            off = 0
-            for mp, flat in items:  # rank-major: row r is every shard rank r owns, in bucket order
-                packed[:, off:off + mp.part].copy_(flat.view(world, mp.part))
-                off += mp.part
-            previous, self._in_flight = self._in_flight, (self.comm.reduce_scatter_mean_async(packed.view(-1)),
-                                                          [mp for mp, _ in items])
-            self._land(previous)
-        if final:
-            previous, self._in_flight = self._in_flight, None
-            self._land(previous)
-
-    def _land(self, in_flight) -> None:
-        if in_flight is None:
-            return
-        pending, mps = in_flight
-        mine = pending.wait()
-        off = 0
-        for mp in mps:
-            grad = self._optimizer.grad_for(mp)
-            grad.add_(mine[off:off + mp.part].to(grad.device))
-            off += mp.part
-            self._optimizer.grad_ready(mp)
+        self._optimizer.take_grad(mp, g)
 
     def swap_open(self) -> bool:
         """False once closed (an nvme store's swap files are gone)."""

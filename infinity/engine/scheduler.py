@@ -85,7 +85,7 @@ class PrefetchScheduler:
         self.pos = 0
         self.ahead = 0
         self.broken = False
-        self.inflight: dict[str, tuple] = {}  # swap id -> (future, elements, lent)
+        self.inflight: dict[str, tuple] = {}  # swap id -> (future, elements, lent, its reader)
         self.cached = 0  # elements in the reuse cache
         self.turn: int | None = None  # trace index of backward's first fetch (None: not recorded)
         self.in_backward = False
@@ -96,11 +96,6 @@ class PrefetchScheduler:
     def resize(self, bucket_elements: int) -> None:
         """A new prefetch bucket (stage3_prefetch_bucket_size once "auto" is resolved), from the next fetch on."""
         self.bucket = bucket_elements
-
-    @property
-    def swapper(self):
-        """Whatever reads shards: the parameter TensorSwapper, or the optimizer-slice reader (alias.py)."""
-        return self.store.reader()
 
     def begin_step(self) -> None:
         """Start of a forward: read the head of the trace before the first module asks."""
@@ -133,10 +128,11 @@ class PrefetchScheduler:
             st.hits += 1
             out = assemble(cached, True)
         else:
+            reader = mp.home.reader_of(mp)
             hit = self.inflight.pop(sid, None)
             if hit is not None:
                 st.hits += 1
-                fut, _, lent = hit
+                fut, _, lent, _ = hit
             else:
                 fut, lent = self._start(mp, sid, self.in_backward)
             self._busy = sid  # its buffer is still ours: no prefetch of the same partition until released
@@ -144,7 +140,7 @@ class PrefetchScheduler:
                 try:
                     self._prefetch()
                 except BaseException:  # the fetch's own read must not keep its buffer
-                    self._let_go(sid, fut, lent)
+                    self._let_go(reader, sid, fut, lent)
                     raise
                 t0 = time.perf_counter()
                 try:
@@ -156,7 +152,7 @@ class PrefetchScheduler:
                     out = assemble(shard, shard is not view)
                 finally:
                     if not lent:
-                        self.swapper.release(sid)
+                        reader.release(sid)
             finally:
                 self._busy = None
             if lent:
@@ -188,13 +184,13 @@ class PrefetchScheduler:
         fut = self.store.lend(mp, backward=backward) if mp.trainable else None
         if fut is not None:
             return fut, True
-        return self.swapper.swap_in(sid, **prefetch), False
+        return mp.home.reader_of(mp).swap_in(sid, **prefetch), False
 
     def _held(self) -> int:
         """Elements held ahead of use: reads in flight plus the reuse cache. Reads start only within the prefetch
         bucket; the cache may keep a planned shard beyond it by the reads in flight (at most one shard's worth
         over, see [Note: the reuse cache is planned])."""
-        return self.cached + sum(n for _, n, _ in self.inflight.values())
+        return self.cached + sum(n for _, n, _, _ in self.inflight.values())
 
     def _advance(self, mp) -> int | None:
         """Move the cursor past `mp`; its trace index, or None when recording or off the trace."""
@@ -266,24 +262,24 @@ class PrefetchScheduler:
                 fut, lent = self._start(mp, sid, backward, prefetch=True, reserve=1)
                 if fut is None:
                     break  # the pool is busy: try again on the next fetch
-                self.inflight[sid] = (fut, mp.part, lent)
+                self.inflight[sid] = (fut, mp.part, lent, mp.home.reader_of(mp))
                 budget -= mp.part
             j += 1
         self.ahead = j
 
-    def _let_go(self, sid: str, fut, lent: bool) -> None:
-        """A read nobody will use: let it land and give its buffer back, quietly."""
+    def _let_go(self, reader, sid: str, fut, lent: bool) -> None:
+        """A read nobody will use: let it land and give its buffer back to `reader`, quietly."""
         try:
             fut.wait()
             if not lent:
-                self.swapper.release(sid)
+                reader.release(sid)
         except BaseException:  # noqa: BLE001 - the read's error belongs to no one now; the file is unchanged
             pass
 
     def _forget_pending(self) -> None:
         """Drop unused prefetches and the reuse cache."""
-        for sid, (fut, _, lent) in list(self.inflight.items()):
-            self._let_go(sid, fut, lent)
+        for sid, (fut, _, lent, reader) in list(self.inflight.items()):
+            self._let_go(reader, sid, fut, lent)
         self.inflight.clear()
         self._drop_cache()
 

@@ -1,10 +1,10 @@
-"""Gradient buckets ([Note: gradient buckets] in infinity/engine/params.py) with a fake two-rank Comm.
+"""Gradient buckets ([Note: gradient buckets] in infinity/engine/buckets.py) with a fake two-rank Comm.
 
 ParamStore.on_grad is the post-accumulate-grad hook; here it is called
 directly with chosen gradients, in one process, with a Comm that says it is
 rank r of `world`, records every packed tensor handed to
 reduce_scatter_mean_async and answers with a slice the test chose. The
-optimizer's side (grad_for, grad_ready) is replaced by recorders. So each
+optimizer's side is a recorder that takes the gradients through real GradientBuckets. So each
 test sees exactly what is packed, when it is sent, and when and where it lands.
 """
 
@@ -71,8 +71,10 @@ class Bench:
         self.mps = {name: self.store.adopt(p, name) for name, p in self.params.items()}
         self.grads = {name: torch.full((mp.part,), BASE) for name, mp in self.mps.items()}
         self.ready: list[str] = []
-        self.store.attach(GradientRecorder(grad_for=lambda mp: self.grads[mp.name],
-                                           grad_ready=lambda mp: self.ready.append(mp.name)))
+        self.optimizer = GradientRecorder(grad_for=lambda mp: self.grads[mp.name],
+                                          grad_ready=lambda mp: self.ready.append(mp.name), comm=self.comm,
+                                          reduce_bucket=bucket)
+        self.store.attach(self.optimizer)
 
     def grad(self, name: str, g: torch.Tensor) -> None:
         """What autograd does: accumulate `g` into .grad, then call the post-accumulate-grad hook."""
@@ -123,7 +125,7 @@ def test_packing_is_rank_major_with_zero_padding_and_each_rank_lands_its_own_sha
     b.grad("v", torch.tensor([5.0, 6.0, 7.0]))
     b.grad("u", torch.tensor([8.0, 9.0, 10.0, 11.0, 12.0]))
     assert b.comm.sent == [] and b.ready == [], "nothing is sent before the bucket is full or flushed"
-    b.store.flush_grads(final=True)
+    b.optimizer.flush_grads()
     assert len(b.comm.sent) == 1
     #        w      v          u                  w      v         u
     row0 = [1, 2,  5, 6,     8, 9, 10]
@@ -147,7 +149,7 @@ def test_packing_matches_the_shard_layout_for_any_shapes(bench, world):
     order = ["c", "a", "e", "b", "d"]  # bucket order is the order gradients arrive, not registration order
     for name in order:
         b.grad(name, full[name])
-    b.store.flush_grads(final=True)
+    b.optimizer.flush_grads()
     assert len(b.comm.sent) == 1
     parts = [b.mps[n].part for n in order]
     assert parts == [-(-full[n].numel() // world) for n in order]
@@ -195,7 +197,7 @@ def test_a_full_bucket_is_sent_and_lands_when_the_next_is_sent_or_backward_ends(
     b.grad("p4", full["p4"])
     assert len(b.comm.sent) == 2 and b.comm.waits == [1, 0] and b.ready == ["p0", "p1"]
 
-    b.store.flush_grads(final=True)  # the end of backward: the open bucket is sent and everything lands
+    b.optimizer.flush_grads()  # the end of backward: the open bucket is sent and everything lands
     assert len(b.comm.sent) == 3 and b.comm.waits == [1, 1, 1]
     assert landed("p0", 0, 0) and landed("p1", 0, 2), "a landed bucket is not added twice"
     assert landed("p2", 1, 0) and landed("p3", 1, 3)
@@ -207,17 +209,17 @@ def test_a_full_bucket_is_sent_and_lands_when_the_next_is_sent_or_backward_ends(
     for r in range(2):
         assert torch.equal(rows[r], torch.cat([shard(full["p2"], r, 3), shard(full["p3"], r, 3)]))
 
-    b.store.flush_grads(final=True)  # nothing pending: nothing sent, nothing lands again
+    b.optimizer.flush_grads()  # nothing pending: nothing sent, nothing lands again
     assert len(b.comm.sent) == 3 and b.comm.waits == [1, 1, 1] and len(b.ready) == 5
 
 
 def test_flush_without_final_sends_but_does_not_wait(bench):
     b = bench({"a": (4,), "b": (4,)})
     b.grad("a", torch.ones(4))
-    b.store.flush_grads(final=False)
+    b.optimizer.buckets.flush(final=False)
     assert len(b.comm.sent) == 1 and b.comm.waits == [0] and b.untouched("a") and b.ready == []
     b.grad("b", torch.ones(4))
-    b.store.flush_grads(final=True)
+    b.optimizer.flush_grads()
     assert b.comm.waits == [1, 1] and b.ready == ["a", "b"]
 
 
@@ -228,6 +230,6 @@ def test_bucket_size_zero_sends_every_gradient_on_its_own(bench):
         b.grad(n, torch.full((3,), float(i + 1)))
         assert len(b.comm.sent) == i + 1, "each gradient is a bucket of its own"
         assert b.ready == names[:i], "only the previous one has landed"
-    b.store.flush_grads(final=True)
+    b.optimizer.flush_grads()
     assert b.ready == names and b.comm.waits == [1, 1, 1]
     assert [t.tolist() for t in b.comm.sent] == [[1, 1, 1, 0], [2, 2, 2, 0], [3, 3, 3, 0]]

@@ -64,7 +64,8 @@ class Run:
         self.hooks = ParamHooks(self.store)
         self.hooks.install(model)
         self.grads = {}
-        self.store.attach(GradientRecorder(grad_for=lambda mp: self.grads[mp.name]))
+        self.optimizer = GradientRecorder(grad_for=lambda mp: self.grads[mp.name])
+        self.store.attach(self.optimizer)
         self.sched = self.store.scheduler
         self.pool = self.store.swap.pool
         self.log: list[tuple] = []
@@ -96,7 +97,7 @@ class Run:
         with self.hooks.saved_tensors():
             out = self.model(x)
             out.square().sum().backward()
-        self.store.flush_grads()
+        self.optimizer.flush_grads()
         stats = self.sched.drain()
         assert self.pool.in_use == 0, "every buffer is back in the pool at the end of a step"
         return out.detach().cpu(), {k: g.clone() for k, g in self.grads.items()}, stats
