@@ -51,37 +51,54 @@ def engine_config(tier: str = "none", nvme_path: str | None = None, **over) -> d
     return cfg
 
 
-def torch_losses(steps: int, *, model: GPTConfig = MODEL, clip: float = CLIP, device="cpu") -> list[float]:
-    torch.manual_seed(0)
-    m = GPT(model).to(device)
-    opt = torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WD)
+def train_losses(net, batches, steps: int, *, optimizer=None, clip: float = 0.0) -> list[float]:
+    """The training loop of the parity tests: `batches(s)` gives step s's (args, kwargs); the loss is the output
+    or its .loss (a Hugging Face output). With `optimizer`, plain torch: backward, clip, step, zero_grad.
+    Without, `net` is an Engine: backward and step (its config clips)."""
     out = []
     for s in range(steps):
-        x, y = batch(s, model=model)
-        loss = m(x.to(device), y.to(device))
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
+        args, kwargs = batches(s)
+        loss = net(*args, **kwargs)
+        loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+        if optimizer is None:
+            net.backward(loss)
+            net.step()
+        else:
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
         out.append(loss.item())
     return out
 
 
-def engine_losses(cfg: dict, steps: int, *, model: GPTConfig = MODEL, use_zero_init: bool = True,
-                  gas: int = 1, overflow_at: int | None = None, reports: list | None = None) -> list[float]:
-    """Train with the engine; each rank takes its slice of the global batch. Returns the global mean losses."""
+def torch_losses(steps: int, *, model: GPTConfig = MODEL, clip: float = CLIP, device="cpu") -> list[float]:
+    torch.manual_seed(0)
+    m = GPT(model).to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WD)
+    return train_losses(m, lambda s: (tuple(t.to(device) for t in batch(s, model=model)), {}), steps,
+                        optimizer=opt, clip=clip)
+
+
+def gpt_engine(cfg: dict, *, model: GPTConfig = MODEL, use_zero_init: bool = True):
+    """The parity GPT from seed 0, built under zero_init(cfg) (or plainly) and initialized with a copy of cfg."""
     from infinity.engine import initialize, zero_init
 
     cfg = copy.deepcopy(cfg)
-    cfg["gradient_accumulation_steps"] = gas
     torch.manual_seed(0)
     if use_zero_init:
         with zero_init(cfg):
             m = GPT(model)
     else:
         m = GPT(model)
-    engine = initialize(m, cfg)
+    return initialize(m, cfg)
+
+
+def engine_losses(cfg: dict, steps: int, *, model: GPTConfig = MODEL, use_zero_init: bool = True,
+                  gas: int = 1, overflow_at: int | None = None, reports: list | None = None) -> list[float]:
+    """Train with the engine; each rank takes its slice of the global batch. Returns the global mean losses."""
+    engine = gpt_engine({**cfg, "gradient_accumulation_steps": gas}, model=model, use_zero_init=use_zero_init)
     out = []
     try:
         for s in range(steps):

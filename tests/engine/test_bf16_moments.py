@@ -1,7 +1,6 @@
 """offload_optimizer.moments_dtype "bf16" through the engine: every tier trains alike, NVMe moves 8 B per
 parameter per direction, checkpoints record the dtype and convert across it with a message."""
 
-import copy
 import json
 import os
 import warnings
@@ -12,10 +11,8 @@ import torch
 from infinity._native_loader import native
 from infinity.checkpoint.export import info
 from infinity.config import ConfigError, load_config
-from infinity.engine import initialize, zero_init
-from infinity.models import GPT
 from infinity.swap.state import DeviceState
-from infinity.testing.parity import MODEL, engine_config, engine_losses, train_step
+from infinity.testing.parity import engine_config, engine_losses, gpt_engine, train_step
 
 pytestmark = pytest.mark.skipif(native is None, reason="bf16 moments need the native extension")
 STEPS = 5
@@ -24,13 +21,6 @@ BF16 = {"zero_optimization.offload_optimizer.moments_dtype": "bf16"}
 
 def _cfg(tier, path, **over):
     return engine_config(tier, str(path), **BF16, **over)
-
-
-def _engine(cfg):
-    torch.manual_seed(0)
-    with zero_init(cfg):
-        m = GPT(MODEL)
-    return initialize(m, copy.deepcopy(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +40,7 @@ def test_every_tier_trains_the_same_and_close_to_fp32_moments(disk_dir, fp32_los
 
 def test_nvme_moves_8_bytes_per_parameter_each_way(disk_dir):
     reports = []
-    e = _engine(_cfg("nvme", disk_dir))
+    e = gpt_engine(_cfg("nvme", disk_dir))
     try:
         for s in range(3):
             train_step(e, s)
@@ -79,7 +69,7 @@ def test_the_accelerator_path_rounds_with_the_kernels_bits(disk_dir, monkeypatch
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_checkpoints_record_the_dtype_and_convert_across_it(disk_dir, tier):
     ck = str(disk_dir / "ck")
-    e = _engine(_cfg(tier, disk_dir))
+    e = gpt_engine(_cfg(tier, disk_dir))
     try:
         for s in range(2):
             train_step(e, s)
@@ -94,7 +84,7 @@ def test_checkpoints_record_the_dtype_and_convert_across_it(disk_dir, tier):
     assert arr["data_type"] == "uint16" and arr["attributes"]["dtype"] == "bfloat16"
 
     # The same dtype: exactly where it left off, and nothing said.
-    e = _engine(_cfg(tier, disk_dir))
+    e = gpt_engine(_cfg(tier, disk_dir))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -104,7 +94,7 @@ def test_checkpoints_record_the_dtype_and_convert_across_it(disk_dir, tier):
         e.close()
 
     # Into fp32 moments: widened exactly, and said.
-    e = _engine(engine_config(tier, str(disk_dir)))
+    e = gpt_engine(engine_config(tier, str(disk_dir)))
     try:
         with pytest.warns(UserWarning, match=r"holds Adam moments in bfloat16, this engine keeps them in float32 "
                                              r"\(offload_optimizer.moments_dtype\); they were converted "
@@ -122,14 +112,14 @@ def test_checkpoints_record_the_dtype_and_convert_across_it(disk_dir, tier):
 
 def test_fp32_checkpoint_into_bf16_moments_is_rounded_and_said(disk_dir):
     ck = str(disk_dir / "ck32")
-    e = _engine(engine_config("cpu", str(disk_dir)))
+    e = gpt_engine(engine_config("cpu", str(disk_dir)))
     try:
         train_step(e, 0)
         e.save_checkpoint(ck)
     finally:
         e.close()
     assert info(ck)["moments_dtype"] == "float32"
-    e = _engine(_cfg("cpu", disk_dir))
+    e = gpt_engine(_cfg("cpu", disk_dir))
     try:
         with pytest.warns(UserWarning, match=r"holds Adam moments in float32, this engine keeps them in bfloat16 "
                                              r".*converted \(rounded to nearest even\)"):

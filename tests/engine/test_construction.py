@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from infinity.engine import gathered_parameters, initialize, zero_init
-from infinity.testing.parity import engine_config
+from infinity.testing.parity import engine_config, train_losses
 
 TIERS = ["none", "cpu", "nvme"]
 STEPS = 6
@@ -226,32 +226,15 @@ def assert_same_values(plain, model):
 def plain_losses(model, batches, groups=None):
     opt = torch.optim.AdamW(groups if groups is not None else [p for p in model.parameters() if p.requires_grad],
                             lr=LR, weight_decay=WD)
-    out = []
-    for s in range(STEPS):
-        args, kw = batches(s)
-        loss = model(*args, **kw)
-        loss = loss if isinstance(loss, torch.Tensor) else loss.loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return train_losses(model, batches, STEPS, optimizer=opt)
 
 
 def engine_losses(model, cfg, batches, groups=None):
     engine = initialize(model, cfg, model_parameters=groups)
-    out = []
     try:
-        for s in range(STEPS):
-            args, kw = batches(s)
-            loss = engine(*args, **kw)
-            loss = loss if isinstance(loss, torch.Tensor) else loss.loss
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
+        return train_losses(engine, batches, STEPS)
     finally:
         engine.close()
-    return out
 
 
 def assert_close(want, got):

@@ -7,7 +7,8 @@ import torch
 
 from infinity.engine import gathered_parameters, zero_init
 from infinity.models import GPT, GPTConfig
-from infinity.testing.parity import MODEL, engine_config, engine_losses, spawn_losses, torch_losses
+from infinity.testing.parity import (MODEL, batch, engine_config, engine_losses, gpt_engine, spawn_losses,
+                                     torch_losses, train_step)
 
 STEPS = 20
 
@@ -189,25 +190,20 @@ def test_two_gloo_ranks_on_nvme_match_one_rank(reference, disk_dir, tmp_path):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_nvme_moves_28_bytes_per_parameter_and_detects_a_flipped_byte(disk_dir, precision):
     import infinity
-    from infinity.engine import initialize
-    from infinity.testing.parity import batch
 
     torch.manual_seed(0)
     # Room to read every sub-group's state ahead (3 groups; one buffer stays free for the critical path).
     cfg = tier_config("nvme", disk_dir, **{"zero_optimization.offload_optimizer.buffer_count": 6,
                                            "bf16.enabled": precision == "bf16"})
-    with zero_init(cfg):
-        model = GPT(MODEL)
-    engine = initialize(model, cfg)
+    engine = gpt_engine(cfg)
+    model = engine.module
     e = 4 if precision == "fp32" else 2
     try:
         assert engine.store.alias is not None, "shards are read from the optimizer's files"
         assert engine.store.alias.dtype == engine.store.dtype
         numel = sum(mp.numel for mp in engine.store.params)
         for s in range(3):
-            x, y = batch(s)
-            engine.backward(engine(x, y))
-            engine.step()
+            train_step(engine, s)
         r = engine.last_report
         # fp32: forward 4 + read p, m, v 12 + write p, m, v 12. bf16: forward 2 + read 12 + write 12 and the
         # bf16 weights 2, in the same write ([Note: compute-dtype shards in the optimizer file]). Backward's
@@ -247,15 +243,12 @@ def test_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatch, pr
 
     import infinity.engine.alias as alias
     import infinity.swap.swapper as swapper_module
-    from infinity.engine import initialize
-    from infinity.testing.parity import batch
 
     torch.manual_seed(0)
     cfg = tier_config("nvme", disk_dir, **{"bf16.enabled": precision == "bf16"})
-    with zero_init(cfg):
-        model = GPT(MODEL)
-    engine = initialize(model, cfg)
+    engine = gpt_engine(cfg)
     e = 4 if precision == "fp32" else 2
+
     def spy_on(module) -> list:
         """(thread name, bytes) of each crc32c call `module` makes."""
         calls, real = [], module.crc32c
@@ -283,9 +276,7 @@ def test_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatch, pr
             taken.clear()
             whole.clear()
             verified.clear()
-            x, y = batch(s)
-            engine.backward(engine(x, y))
-            engine.step()
+            train_step(engine, s)
             part = sum(mp.part for mp in engine.store.params if mp.trainable)
             shards = e * part
             on_reaper = sum(n for who, n in taken if who == "infinity-swap-write-reaper")
@@ -306,18 +297,11 @@ def test_a_shard_whose_group_write_never_ran_is_refused_not_read_stale(disk_dir)
     # Between the optimizer producing a group's values and its write's reaper taking their checksums, the
     # shards' expected CRC is PENDING. If that write never starts (its submission raised and the caller went
     # on), the next read of a shard must fail loudly rather than hand back the previous step's weights.
-    from infinity.engine import initialize
-    from infinity.testing.parity import batch
 
     torch.manual_seed(0)
-    cfg = tier_config("nvme", disk_dir)
-    with zero_init(cfg):
-        model = GPT(MODEL)
-    engine = initialize(model, cfg)
+    engine = gpt_engine(tier_config("nvme", disk_dir))
     try:
-        x, y = batch(0)
-        engine.backward(engine(x, y))
-        engine.step()
+        train_step(engine, 0)
         opt = engine.optimizer
         g = opt.groups[0]
         shards = [(f"alias/{mp.index}", 4 * off, mp.part) for mp, off in zip(g.params, g.offsets)]
@@ -408,7 +392,6 @@ def test_a_forward_without_its_backward_gives_back_the_reads_it_started(disk_dir
     backward never comes must not keep them: the next forward, a checkpoint save and load all find the state at
     rest, and training goes on exactly as without that forward."""
     from infinity.engine import initialize
-    from infinity.testing.parity import batch
 
     def run(extra_forward: bool):
         torch.manual_seed(0)
@@ -452,7 +435,6 @@ def test_a_group_whose_read_could_not_start_early_is_read_ahead_before_its_turn(
     from infinity.bench.train import config
     from infinity.engine import initialize
     from infinity.swap.pipeline import StatePipeline
-    from infinity.testing.parity import batch
 
     shape = argparse.Namespace(vocab=2048, seq=64, layers=6, dim=128, heads=4, batch=2, precision="bf16")
     model_cfg, cfg = config(shape, "nvme", str(disk_dir))

@@ -1,7 +1,6 @@
 """Per-group optimizer tiers (offload_optimizer.ratio), per-parameter shard homes (offload_param.max_in_cpu),
 and the step during backward, unit by unit."""
 
-import copy
 import json
 import subprocess
 import sys
@@ -9,20 +8,12 @@ import sys
 import pytest
 import torch
 
-from infinity.engine import initialize, zero_init
+from infinity.engine import initialize
 from infinity.engine.optimizer import ShardedAdam
-from infinity.models import GPT
 from infinity.swap.tier import Tier
-from infinity.testing.parity import MODEL, engine_config, engine_losses, train_step
+from infinity.testing.parity import engine_config, engine_losses, gpt_engine, train_step
 
 STEPS = 3
-
-
-def _engine(cfg):
-    torch.manual_seed(0)
-    with zero_init(cfg):
-        m = GPT(MODEL)
-    return initialize(m, cfg)
 
 
 def _close(a, b, exact: bool) -> bool:
@@ -33,7 +24,7 @@ def _close(a, b, exact: bool) -> bool:
 def test_partial_offload_keeps_the_last_groups_on_the_device_and_trains_the_same(tmp_path):
     """[Note: partial offload]: as DeepSpeed 0.19, sub-group i is offloaded when i < int(ratio x count)."""
     cfg = engine_config("cpu", str(tmp_path), **{"zero_optimization.offload_optimizer.ratio": 0.5})
-    e = _engine(copy.deepcopy(cfg))
+    e = gpt_engine(cfg)
     try:
         tiers = [g.state.tier for g in e.optimizer.groups]
         k = int(0.5 * len(tiers))
@@ -54,7 +45,7 @@ def test_partial_offload_elsewhere_is_said_to_have_no_effect(tmp_path, stage, de
         cfg["zero_optimization"]["offload_param"] = {"device": "none"}
     with pytest.warns(UserWarning, match=rf"offload_optimizer.ratio \(partial offload applies at stage 3 with "
                                          rf"device cpu, as in DeepSpeed; here stage is {stage} and device '{device}'"):
-        e = _engine(cfg)
+        e = gpt_engine(cfg)
     try:
         assert {g.state.tier for g in e.optimizer.groups} == {Tier(device)}, "every group is offloaded"
     finally:
@@ -68,7 +59,7 @@ def test_the_device_tier_path_adam_in_torch_ops_and_checkpoints_staged_per_param
 
     monkeypatch.setattr(DeviceState, "_on_host", lambda self: False)
     cfg = engine_config("cpu", str(tmp_path), **{"zero_optimization.offload_optimizer.ratio": 0.0})
-    e = _engine(copy.deepcopy(cfg))
+    e = gpt_engine(cfg)
     try:
         assert {g.state.tier for g in e.optimizer.groups} == {Tier.DEVICE}
         losses = [train_step(e, s) for s in range(STEPS)]
@@ -101,7 +92,7 @@ def test_max_in_cpu_keeps_the_first_shards_in_ram_and_trains_the_same(tmp_path):
     full = engine_config("nvme", str(tmp_path))
     budget = 20_000
     cfg = engine_config("nvme", str(tmp_path), **{"zero_optimization.offload_param.max_in_cpu": budget})
-    e = _engine(copy.deepcopy(cfg))
+    e = gpt_engine(cfg)
     try:
         homes = [mp.home.tier for mp in e.store.params]
         in_ram = sum(mp.part for mp in e.store.params if mp.home.tier is Tier.CPU)
@@ -117,7 +108,7 @@ def test_max_in_cpu_keeps_the_first_shards_in_ram_and_trains_the_same(tmp_path):
 
 
 def test_max_in_cpu_zero_is_every_shard_on_nvme(tmp_path):
-    e = _engine(engine_config("nvme", str(tmp_path)))
+    e = gpt_engine(engine_config("nvme", str(tmp_path)))
     try:
         assert {mp.home.tier for mp in e.store.params} == {Tier.NVME}
     finally:
@@ -142,7 +133,7 @@ def test_a_group_steps_exactly_when_its_last_gradient_lands(tmp_path, tier, monk
 
     monkeypatch.setattr(ShardedAdam, "grad_ready", ready)
     monkeypatch.setattr(ShardedAdam, "_step_now", step_now)
-    e = _engine(cfg)
+    e = gpt_engine(cfg)
     try:
         groups = e.optimizer.groups
         assert len(groups) > 3
@@ -201,7 +192,7 @@ def test_trace_path_writes_a_chrome_trace_of_the_steps(tmp_path):
 
     path = tmp_path / "trace.json"
     cfg = engine_config("nvme", str(tmp_path), **{"infinity.trace_path": str(path)})
-    e = _engine(cfg)
+    e = gpt_engine(cfg)
     try:
         for s in range(2):
             train_step(e, s)
