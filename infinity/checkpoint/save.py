@@ -255,9 +255,33 @@ def crash_point(name: str) -> None:
 
 def save(engine, directory, tag: str | None = None, client_state=None, *, save_latest: bool = True,
          exclude_frozen: bool = False, own_dir: bool = True) -> str:
-    """See Engine.save_checkpoint."""
-    comm, store, opt = engine.comm, engine.store, engine.optimizer
-    rank = comm.rank
+    """See Engine.save_checkpoint. Three phases, each ended by an agreement of every rank (a failure anywhere
+    removes the partial directory): rank 0 prepares it, every rank writes its shards, rank 0 commits."""
+    comm, rank = engine.comm, engine.comm.rank
+    _check_savable(engine)
+    directory = os.path.abspath(os.fspath(directory))
+    tag = check_tag(default_tag(engine.global_steps) if tag is None else tag)
+    meta = manifest(engine, tag, client_state, exclude_frozen=exclude_frozen)
+    partial = partial_dir(directory, tag)
+    final = os.path.join(directory, tag)
+    metadata = _metadata(engine, exclude_frozen)
+
+    def discard():
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    together(comm, "preparation", lambda: _prepare(engine, directory, partial, metadata, own_dir) if rank == 0
+             else None, discard)
+    crash_point("prepared")
+    together(comm, "write", lambda: _write_rank(engine, partial, metadata, exclude_frozen), discard)
+    crash_point("written")
+    together(comm, "commit", lambda: _commit(directory, partial, final, tag, meta, save_latest) if rank == 0
+             else None, discard)
+    return final
+
+
+def _check_savable(engine) -> None:
+    """A checkpoint holds no gradients: refuse a save in the middle of an accumulation or a backward."""
     if not engine.boundary_forced and engine.micro_steps % engine.gas:
         raise RuntimeError(f"save_checkpoint: called after {engine.micro_steps % engine.gas} of "
                            f"{engine.gas} micro-batches of gradient accumulation; the accumulated gradients are not "
@@ -266,118 +290,107 @@ def save(engine, directory, tag: str | None = None, client_state=None, *, save_l
         raise RuntimeError("save_checkpoint: called between engine.backward() and engine.step(); the gradients "
                            "(or a step taken during backward) are not part of a checkpoint, so save after "
                            "engine.step()")
-    directory = os.path.abspath(os.fspath(directory))
-    tag = check_tag(default_tag(engine.global_steps) if tag is None else tag)
-    meta = manifest(engine, tag, client_state, exclude_frozen=exclude_frozen)
-    meta_crc = crc_of(meta)
-    partial = partial_dir(directory, tag)
-    final = os.path.join(directory, tag)
 
-    def discard():
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
 
-    def prepare():
-        if rank != 0:
-            return
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise NotADirectoryError(f"save_checkpoint: {directory} exists and is not a directory")
-        os.makedirs(directory, exist_ok=True)
-        if not os.access(directory, os.W_OK):
-            raise PermissionError(f"save_checkpoint: {directory} is not writable")
-        if own_dir:
-            engine.own_save_dir(directory)  # before anything in it is touched
-        for name in os.listdir(directory):  # saves that were killed (one save into a directory at a time)
-            if name.startswith(".") and (name.endswith(PARTIAL_SUFFIX) or name.endswith(PARTIAL_SUFFIX + ".old")):
-                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-        os.mkdir(partial)
-        for d in metadata:
-            os.mkdir(os.path.join(partial, d))
-
-    # Group and array metadata: the directories now (every rank writes chunks into them), the zarr.json
-    # files on a thread of rank 0 while the chunk writes run.
+def _metadata(engine, exclude_frozen: bool) -> dict:
+    """Relative directory -> the zarr.json of each group and array. The directories are made in the preparation
+    (every rank writes chunks into them), the files on a thread of rank 0 while the chunk writes run."""
     metadata = {state: group_meta() for state in STATES + ("extra", "ranks")}
-    for mp in store.params:
+    for mp in engine.store.params:
         if exclude_frozen and not mp.trainable:
             continue
         for state in states_of(mp):
-            dt = opt.moments if state != STATES[0] else torch.float32
+            dt = engine.optimizer.moments if state != STATES[0] else torch.float32
             metadata[os.path.join(state, mp.name)] = array_meta(
                 mp.numel, mp.part, ZARR_DTYPES[dt], attributes={"shape": list(mp.shape), "dtype": name_of(dt)})
     for name, t in extra_tensors(engine.module).items():
         metadata[os.path.join("extra", name)] = array_meta(
             t.numel(), max(1, t.numel()), ZARR_DTYPES[t.dtype],
             attributes={"shape": list(t.shape), "dtype": name_of(t.dtype)})
+    return metadata
 
-    together(comm, "preparation", prepare, discard)
-    crash_point("prepared")
 
-    def write_mine():
-        os.mkdir(os.path.join(partial, "ranks", str(rank)))
-        rng = rng_state()
-        write_json(os.path.join(partial, "ranks", str(rank), "zarr.json"),
-                   group_meta({"rng": rng, "rng_crc32c": crc_of(rng)}))
-        io = open_io(engine.config, partial)
-        meta_writer = MetadataWriter(partial, metadata) if rank == 0 else None
-        w = ChunkWriter(io)  # one window for all groups: its cap bounds the open files
-        try:
-            def use(g, p, m, v):
-                try:
-                    for mp, off, lo, hi in g.entries():
-                        if rank * mp.part >= mp.numel:  # this rank's shard is all padding: no chunk
-                            continue
-                        for state, t in zip(STATES, (p, m, v)):  # bf16 moments: their bytes, as uint16
-                            path = chunk_path(partial, state, mp.name, rank)
-                            if (lo, hi) == (0, mp.part):
-                                w.write(path, t[off:off + mp.part])
-                            else:  # a piece of a split shard: the pieces come in order
-                                w.write_piece(path, t[off:off + hi - lo], last=hi == mp.part)
-                except BaseException:
-                    w.finish_quietly()  # the views must outlive every write that was submitted
-                    raise
-                crash_point("group")
-                mark = w.mark()
-                return lambda: w.wait_upto(mark)
+def _prepare(engine, directory: str, partial: str, metadata: dict, own_dir: bool) -> None:
+    """Rank 0: the save directory (owned by this run with own_dir), with killed saves removed, and the partial
+    checkpoint's directory tree."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"save_checkpoint: {directory} exists and is not a directory")
+    os.makedirs(directory, exist_ok=True)
+    if not os.access(directory, os.W_OK):
+        raise PermissionError(f"save_checkpoint: {directory} is not writable")
+    if own_dir:
+        engine.own_save_dir(directory)  # before anything in it is touched
+    for name in os.listdir(directory):  # saves that were killed (one save into a directory at a time)
+        if name.startswith(".") and (name.endswith(PARTIAL_SUFFIX) or name.endswith(PARTIAL_SUFFIX + ".old")):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    os.mkdir(partial)
+    for d in metadata:
+        os.mkdir(os.path.join(partial, d))
 
-            opt.export_state(use)
-            if not exclude_frozen:
-                write_frozen(store, w, partial)
-            if rank == 0:
-                for name, t in extra_tensors(engine.module).items():
-                    if t.numel():
-                        flat = t.reshape(-1).cpu().contiguous()
-                        w.write(chunk_path(partial, "extra", name, 0),
-                                flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat)
-            w.finish()
-        except BaseException:
-            w.finish_quietly()  # nothing may still be writing from the state once we return
-            raise
-        finally:
-            io.close()
-            if meta_writer is not None:
-                meta_writer.join(raise_error=sys.exc_info()[0] is None)
-        sync_filesystem(partial)
 
-    together(comm, "write", write_mine, discard)
-    crash_point("written")
+def _write_rank(engine, partial: str, metadata: dict, exclude_frozen: bool) -> None:
+    """Every rank: its RNG states, and one chunk per (state, parameter) of its shards, streamed from the
+    optimizer's groups; rank 0 also the buffers, and (on a thread) the metadata files. Synced when done."""
+    rank, store = engine.comm.rank, engine.store
+    os.mkdir(os.path.join(partial, "ranks", str(rank)))
+    rng = rng_state()
+    write_json(os.path.join(partial, "ranks", str(rank), "zarr.json"),
+               group_meta({"rng": rng, "rng_crc32c": crc_of(rng)}))
+    io = open_io(engine.config, partial)
+    meta_writer = MetadataWriter(partial, metadata) if rank == 0 else None
+    w = ChunkWriter(io)  # one window for all groups: its cap bounds the open files
+    try:
+        def use(g, p, m, v):
+            try:
+                for mp, off, lo, hi in g.entries():
+                    if rank * mp.part >= mp.numel:  # this rank's shard is all padding: no chunk
+                        continue
+                    for state, t in zip(STATES, (p, m, v)):  # bf16 moments: their bytes, as uint16
+                        path = chunk_path(partial, state, mp.name, rank)
+                        if (lo, hi) == (0, mp.part):
+                            w.write(path, t[off:off + mp.part])
+                        else:  # a piece of a split shard: the pieces come in order
+                            w.write_piece(path, t[off:off + hi - lo], last=hi == mp.part)
+            except BaseException:
+                w.finish_quietly()  # the views must outlive every write that was submitted
+                raise
+            crash_point("group")
+            mark = w.mark()
+            return lambda: w.wait_upto(mark)
 
-    def commit():
-        if rank != 0:
-            return
-        write_json(os.path.join(partial, "zarr.json"), group_meta({"infinity_checkpoint": meta,
-                                                                   "infinity_checkpoint_crc32c": meta_crc}))
-        sync_filesystem(partial)
-        crash_point("marked")
-        exchanged = exchange_or_rename(partial, final, dst_is_latest=read_latest(directory) == tag)
-        fsync_dir(directory)
-        crash_point("renamed")
-        if save_latest:
-            write_latest(directory, tag)
-        if exchanged:  # `partial` now holds the checkpoint this one replaced
-            shutil.rmtree(partial, ignore_errors=True)
+        engine.optimizer.export_state(use)
+        if not exclude_frozen:
+            write_frozen(store, w, partial)
+        if rank == 0:
+            for name, t in extra_tensors(engine.module).items():
+                if t.numel():
+                    flat = t.reshape(-1).cpu().contiguous()
+                    w.write(chunk_path(partial, "extra", name, 0),
+                            flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat)
+        w.finish()
+    except BaseException:
+        w.finish_quietly()  # nothing may still be writing from the state once we return
+        raise
+    finally:
+        io.close()
+        if meta_writer is not None:
+            meta_writer.join(raise_error=sys.exc_info()[0] is None)
+    sync_filesystem(partial)
 
-    together(comm, "commit", commit, discard)
-    return final
+
+def _commit(directory: str, partial: str, final: str, tag: str, meta: dict, save_latest: bool) -> None:
+    """Rank 0: the manifest (the checkpoint is complete from here), the rename to its tag, and `latest`."""
+    write_json(os.path.join(partial, "zarr.json"), group_meta({"infinity_checkpoint": meta,
+                                                               "infinity_checkpoint_crc32c": crc_of(meta)}))
+    sync_filesystem(partial)
+    crash_point("marked")
+    exchanged = exchange_or_rename(partial, final, dst_is_latest=read_latest(directory) == tag)
+    fsync_dir(directory)
+    crash_point("renamed")
+    if save_latest:
+        write_latest(directory, tag)
+    if exchanged:  # `partial` now holds the checkpoint this one replaced
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 class MetadataWriter(threading.Thread):

@@ -54,11 +54,7 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     comm = init_distributed(cfg.infinity.comm_timeout_s)
     batch = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
                           comm.world)  # before anything is built: an inconsistent set fails here
-    store = next((managed(p).store for p in model.parameters() if managed(p) is not None), None)
-    if store is None:
-        store = current_store() or build_store(cfg, comm,
-                                               largest_shard_numel=pool_shard_numel(cfg, model, comm.world))
-    store.set_prefetch_bucket(cfg.zero_optimization.stage3_prefetch_bucket_size)  # "auto" may be the model's now
+    store = _store_for(model, cfg, comm)
     if not cfg.optimizer_given:
         hp = cfg.optimizer.params
         log.warning("infinity: the config has no optimizer section: training with %s lr %g, betas %s, eps %g, "
@@ -72,54 +68,10 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
             store.close()  # what zero_init wrote goes too: nothing of a failed setup stays on disk
 
     together(comm, "the disk-room check", lambda: check_disk_room(cfg, store, model, trained, comm.world), failed)
-    for name, p in reversed(list(model.named_parameters())):  # full names in messages from here on
-        if managed(p) is not None:
-            managed(p).name = name
-    # Construction is over: what user code left staged or reassigned becomes shards, persistent parameters'
-    # shards catch up with their full values, and the access mode ends (see [Note: partitioned access]).
     try:  # a failure here (a shard too big for the pool's buffers, ...) leaves no open store or files
-        store.settle_staged()
-        store.adopt_reassigned(store.params)
-        store.sync_persistent()
-        store.end_access()
-        names = {}
-        for name, p in model.named_parameters():
-            names.setdefault(id(p), name)
-            if managed(p) is None:
-                if id(p) in trained or p.is_floating_point():  # frozen ones too: partitioned, in the compute dtype
-                    store.adopt(p, name)
-            else:
-                managed(p).name = name
-        store.retain({id(p) for p in model.parameters()})
-        for mp in store.params:
-            if id(mp.param) not in trained:
-                store.freeze(mp)
-        for module in model.modules():  # buffers go to the compute device; parameters stay placeholders
-            for key, b in module._buffers.items():
-                if b is not None:
-                    module._buffers[key] = b.to(store.device)
+        _adopt(model, store, trained)
+        cfg, plan, optimizer = _optimizer_for(cfg, store, comm, groups)
     except BaseException:
-        failed()
-        raise
-    opt_swap = None
-    try:
-        by_group = [[managed(p) for p in g["params"]] for g in groups]
-        cfg, plan = plan_offload(cfg, store, by_group, say=comm.rank == 0)
-        if plan.fitted and comm.rank == 0:
-            log.info("infinity: %s", plan.fitted)
-        if plan.optimizer_buffers:
-            opt_swap = SwapContext.for_optimizer(cfg, rank=comm.rank, world=comm.world,
-                                                 largest_group_numel=plan.largest_sub_group,
-                                                 tail_bytes=plan.tail_bytes)
-            # The engine may be collected before exit without close() (a script's main() returns): its
-            # optimizer files go at exit all the same; [Note: swap files die with the process]. The swapper is
-            # what is tracked: its reaper threads keep it alive until it is closed, whoever else lets go of it.
-            lifetime.track(opt_swap.swapper, remove_at_exit=cfg.infinity.remove_swap_at_exit)
-        optimizer = ShardedAdam(store, cfg, comm, plan=plan, param_groups=groups, swap=opt_swap,
-                                trace=Trace() if cfg.infinity.trace_path else None)
-    except BaseException:
-        if opt_swap is not None:
-            opt_swap.close()
         failed()
         raise
     store.finish_setup()
@@ -136,6 +88,68 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
         raise
     set_mmap_threshold(cfg.infinity.mmap_threshold)
     return engine
+
+
+def _store_for(model: torch.nn.Module, cfg: Config, comm):
+    """The store the model's parameters are in (zero_init's), or a new one with its pool fitted to the model."""
+    store = next((managed(p).store for p in model.parameters() if managed(p) is not None), None)
+    if store is None:
+        store = current_store() or build_store(cfg, comm,
+                                               largest_shard_numel=pool_shard_numel(cfg, model, comm.world))
+    store.set_prefetch_bucket(cfg.zero_optimization.stage3_prefetch_bucket_size)  # "auto" may be the model's now
+    return store
+
+
+def _adopt(model: torch.nn.Module, store, trained: set) -> None:
+    """Construction is over: what user code left staged or reassigned becomes shards, persistent parameters'
+    shards catch up with their full values, and the access mode ends (see [Note: partitioned access]). Then
+    every floating-point parameter is a shard (frozen ones too, in the compute dtype), those outside `trained`
+    are frozen, and the buffers go to the compute device."""
+    for name, p in reversed(list(model.named_parameters())):  # full names in messages from here on
+        if managed(p) is not None:
+            managed(p).name = name
+    store.settle_staged()
+    store.adopt_reassigned(store.params)
+    store.sync_persistent()
+    store.end_access()
+    for name, p in model.named_parameters():
+        if managed(p) is None:
+            if id(p) in trained or p.is_floating_point():
+                store.adopt(p, name)
+        else:
+            managed(p).name = name
+    store.retain({id(p) for p in model.parameters()})
+    for mp in store.params:
+        if id(mp.param) not in trained:
+            store.freeze(mp)
+    for module in model.modules():  # parameters stay placeholders
+        for key, b in module._buffers.items():
+            if b is not None:
+                module._buffers[key] = b.to(store.device)
+
+
+def _optimizer_for(cfg: Config, store, comm, groups: list[dict]):
+    """(the config with its fitted sizes, the OffloadPlan, the ShardedAdam over it); an NVMe pool that was opened
+    is closed again if the optimizer cannot be built."""
+    cfg, plan = plan_offload(cfg, store, [[managed(p) for p in g["params"]] for g in groups], say=comm.rank == 0)
+    if plan.fitted and comm.rank == 0:
+        log.info("infinity: %s", plan.fitted)
+    swap = None
+    try:
+        if plan.optimizer_buffers:
+            swap = SwapContext.for_optimizer(cfg, rank=comm.rank, world=comm.world,
+                                             largest_group_numel=plan.largest_sub_group, tail_bytes=plan.tail_bytes)
+            # The engine may be collected before exit without close() (a script's main() returns): its
+            # optimizer files go at exit all the same; [Note: swap files die with the process]. The swapper is
+            # what is tracked: its reaper threads keep it alive until it is closed, whoever else lets go of it.
+            lifetime.track(swap.swapper, remove_at_exit=cfg.infinity.remove_swap_at_exit)
+        optimizer = ShardedAdam(store, cfg, comm, plan=plan, param_groups=groups, swap=swap,
+                                trace=Trace() if cfg.infinity.trace_path else None)
+    except BaseException:
+        if swap is not None:
+            swap.close()
+        raise
+    return cfg, plan, optimizer
 
 
 def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None:
