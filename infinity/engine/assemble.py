@@ -54,14 +54,14 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     comm = init_distributed(cfg.infinity.comm_timeout_s)
     batch = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
                           comm.world)  # before anything is built: an inconsistent set fails here
+    groups = param_groups(model, model_parameters)  # checked before a store (and its swap directory) exists
+    trained = {id(p) for g in groups for p in g["params"]}
     store = _store_for(model, cfg, comm)
     if not cfg.optimizer_given:
         hp = cfg.optimizer.params
         log.warning("infinity: the config has no optimizer section: training with %s lr %g, betas %s, eps %g, "
                     "weight_decay %g (add an optimizer section to choose)", cfg.optimizer.type, hp.lr,
                     tuple(hp.betas), hp.eps, hp.weight_decay)
-    groups = param_groups(model, model_parameters)
-    trained = {id(p) for g in groups for p in g["params"]}
 
     def failed():
         if store is not current_store():

@@ -315,3 +315,16 @@ def test_a_float64_parameter_is_refused_by_name(tmp_path):
         initialize(model, engine_config("cpu", str(tmp_path)))
     with initialize(model.float(), engine_config("cpu", str(tmp_path))) as e:
         assert e(torch.randn(3, 4)).shape == (3, 2)
+
+
+class _NoParameters(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_model_without_parameters_is_refused_and_leaves_nothing_in_the_swap_path(tmp_path, tier):
+    """Issue 30, probe finding 8: the refusal used to leave infinity-swap/param-rank0/owner.pid behind."""
+    with pytest.raises(ValueError, match="no parameter to train"):
+        initialize(_NoParameters(), engine_config(tier, str(tmp_path)))
+    assert list(tmp_path.iterdir()) == []
