@@ -42,6 +42,17 @@ def cases(nvme: str) -> dict[str, tuple[dict, dict]]:
     out["params cpu, optimizer nvme"] = (mixed, {})
     stage2 = {"zero_optimization.stage": 2, "zero_optimization.offload_optimizer.device": "cpu"}
     out["stage 2, optimizer cpu"] = (engine_config("none", nvme, **stage2), {})
+    # What the offload plan decides (engine/plan.py): partial offload, split shards, bf16 moments.
+    out["fp32 cpu ratio 0.5"] = (engine_config("cpu", nvme, **{"zero_optimization.offload_optimizer.ratio": 0.5}), {})
+    small = {"zero_optimization.sub_group_size": 8192}
+    out["fp32 nvme split"] = (engine_config("nvme", nvme, **small), {})
+    out["bf16 nvme split"] = (engine_config("nvme", nvme, **small, **{"bf16.enabled": True}), {})
+    split_ram = copy.deepcopy(mixed)
+    split_ram["zero_optimization"]["sub_group_size"] = 8192
+    out["params cpu, optimizer nvme, split"] = (split_ram, {})
+    out["bf16 nvme, bf16 moments"] = (engine_config("nvme", nvme, **{"bf16.enabled": True,
+                                                                  "zero_optimization.offload_optimizer.moments_dtype":
+                                                                  "bf16"}), {})
     return out
 
 

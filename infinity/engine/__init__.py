@@ -1,8 +1,9 @@
 """The ZeRO engine: zero_init -> initialize -> Engine, on top of the swap service.
 
-config -> engine (engine.py) -> parameter store and scheduler (params.py,
-scheduler.py) -> swapper (infinity.swap) -> native I/O; the step ->
-ShardedAdam (optimizer.py) -> CPU Adam.
+config -> initialize (assemble.py: the OffloadPlan of plan.py, then the
+store, optimizer and Engine) -> Engine (engine.py) -> parameter store and
+scheduler (params.py, scheduler.py) -> swapper (infinity.swap) -> native I/O;
+the step -> ShardedAdam (optimizer.py, its GradientBuckets) -> CPU Adam.
 """
 
 from infinity.engine.comm import RankFailure

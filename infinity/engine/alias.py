@@ -91,6 +91,11 @@ class _Staged:
         return self._view
 
 
+def slice_id(mp) -> str:
+    """The id of mp's shard among the reader's slices (what NvmeHome.swap_id gives in alias mode)."""
+    return f"alias/{mp.index}"
+
+
 class OptimizerSliceReader:
     """The scheduler's reader in alias mode: swap_in/release like a TensorSwapper, over slices of the optimizer's
     files that hold shards in `dtype` (fp32: the master; a compute dtype: the tail)."""

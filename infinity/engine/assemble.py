@@ -7,7 +7,9 @@
   plan          where each kind of state lives, and the sub-groups (plan.py)
   optimizer     ShardedAdam over the plan, its NVMe pool if the plan has one
   hooks, Engine the store's hooks on the model; the lr scheduler; the Engine
-Anything that fails on the way closes what was built, so a failed setup leaves no files behind.
+A failure while the store adopts the model or the optimizer is built closes what this call built (a zero_init
+block's store stays for its own exit), so a failed setup leaves no files behind; so does a failure of the Engine
+(a scheduler that does not fit the groups).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
         if store is not current_store():
             store.close()  # what zero_init wrote goes too: nothing of a failed setup stays on disk
 
-    together(comm, "the disk-room check", lambda: check_disk_room(cfg, store, model, trained, comm.world), failed)
+    together(comm, "the disk-room check", lambda: check_disk_room(cfg, store, model, trained, comm.world), failed,
+             error=lambda message: ConfigError("", message))
     try:  # a failure here (a shard too big for the pool's buffers, ...) leaves no open store or files
         _adopt(model, store, trained)
         cfg, plan, optimizer = _optimizer_for(cfg, store, comm, groups)

@@ -39,6 +39,7 @@ import atexit
 import os
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -167,11 +168,12 @@ class Comm:
                            "probably died or hung. See [Note: dead ranks] in infinity/engine/comm.py")
 
 
-def together(comm: Comm, what: str, fn, on_failure=None, error: type[InfinityError] = RankFailure):
+def together(comm: Comm, what: str, fn, on_failure=None, error: Callable[[str], InfinityError] = RankFailure):
     """Run fn on every rank, then agree; if any rank failed, every rank raises (after on_failure).
 
-    The failing rank raises its own error; the others raise `error` ("<what> failed on another rank"). `what`
-    names the phase as a user would read it ("checkpoint write", "the disk-room check")."""
+    The failing rank raises its own error; the others raise `error(message)` ("<what> failed on another rank":
+    an exception class, or a function making one). `what` names the phase as a user would read it ("checkpoint
+    write", "the disk-room check")."""
     err = None
     out = None
     try:

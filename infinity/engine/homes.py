@@ -13,6 +13,7 @@ import abc
 
 import torch
 
+from infinity.engine.alias import slice_id
 from infinity.engine.plan import ShardSource
 from infinity.swap.tier import HOST, Tier
 
@@ -132,7 +133,7 @@ class NvmeHome(ShardHome):
     def swap_id(self, mp, dtype: torch.dtype | None = None) -> str:
         """The id of mp's shard in its reader (the partition, of `dtype`, default the current one)."""
         if self.in_optimizer_file(mp):
-            return f"alias/{mp.index}"
+            return slice_id(mp)
         return f"param/{mp.index}/{str(dtype or mp.swap_dtype).replace('torch.', '')}"
 
     def keep(self, mp, shard: torch.Tensor) -> None:

@@ -4,7 +4,8 @@
   its post-hook releases them. A module called twice gathers twice.
 - Backward: see [Note: saved parameters].
 - Gradients: each parameter's post-accumulate-grad hook hands the full
-  gradient to `ParamStore.on_grad`, which reduce-scatters it to its owner.
+  gradient to `ParamStore.on_grad`, which gives it to the optimizer's
+  GradientBuckets (buckets.py), which reduce-scatter it to its owner.
 
 [Note: saved parameters]
 Autograd saves the tensors a backward will need, and for a linear layer that

@@ -110,6 +110,7 @@ import math
 
 import torch
 
+from infinity.engine.alias import slice_id
 from infinity.engine.buckets import GradientBuckets
 from infinity.engine.comm import Comm
 from infinity.engine.deferred import DeferredStep
@@ -120,8 +121,6 @@ from infinity.swap.pipeline import Mode, StatePipeline
 from infinity.swap.state import DeviceState, GroupState, HostState, NvmeState, state_bytes
 from infinity.swap.telemetry import StepStats
 from infinity.swap.tier import HOST, Tier
-
-"""A split shard's pieces start at multiples of this many elements (so do their slices in the buffers and files)."""
 
 
 class _Group:
@@ -233,12 +232,6 @@ class ShardedAdam(torch.optim.Optimizer):
         """A step during backward is under way (see [Note: stepping during backward])."""
         return self._pipe is not None
 
-    def managed_groups(self) -> list[list]:
-        """The ManagedParams of each parameter group, in registration order."""
-        from infinity.engine.params import managed
-
-        return [[managed(p) for p in pg["params"]] for pg in self.param_groups]
-
     def hyper_for(self, g: _Group, **step) -> dict:
         """Adam's hyper-parameters for one sub-group now: its parameter group's, plus this step's."""
         pg = self.param_groups[g.param_group]
@@ -302,8 +295,8 @@ class ShardedAdam(torch.optim.Optimizer):
             if views.lowp is not None:
                 views.lowp.copy_(views.param)
             for mp, off, lo, hi in g.entries():
-                reader.place(f"alias/{mp.index}", g.state.path, base + reader.itemsize * off, hi - lo, at=lo)
-                reader.record(reader.key(f"alias/{mp.index}", lo), shards[off:off + hi - lo])
+                reader.place(slice_id(mp), g.state.path, base + reader.itemsize * off, hi - lo, at=lo)
+                reader.record(reader.key(slice_id(mp), lo), shards[off:off + hi - lo])
 
         StatePipeline(Mode.FILL).over(self._states(), first)
         if reader is not None:
@@ -662,7 +655,7 @@ class ShardedAdam(torch.optim.Optimizer):
                     views.lowp.copy_(master)
                 base, size = g.state.tail_offset, views.lowp.element_size()
             reader = self.store.alias
-            shards = [(reader.key(f"alias/{mp.index}", lo), base + size * off, hi - lo)
+            shards = [(reader.key(slice_id(mp), lo), base + size * off, hi - lo)
                       for mp, off, lo, hi in g.entries()]
             reader.record_on_write(g.state.swapper, g.state.id, shards)
             return

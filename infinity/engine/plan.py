@@ -22,7 +22,7 @@ import torch
 from infinity.config import Config
 from infinity.config.tier import Tier
 from infinity.engine.sizing import fit_optimizer
-from infinity.swap.state import MOMENT_DTYPES, state_bytes
+from infinity.swap.state import MOMENT_DTYPES
 
 SPLIT_ALIGN = 1 << 12
 """Pieces of a split shard start at multiples of this many elements (4 KiB-aligned in fp32 and in bf16 tails)."""
@@ -84,7 +84,8 @@ class OffloadPlan:
     sub_groups: tuple[SubGroupPlan, ...]
     """Every sub-group, in walk order."""
     optimizer_buffers: int
-    """Buffers of the NVMe optimizer pool (0 when nothing is on NVMe)."""
+    """Buffers of the NVMe optimizer pool (0 when nothing is on NVMe); each holds the largest sub-group's state
+    and tail (SwapContext.for_optimizer sizes it from largest_sub_group and tail_bytes)."""
     fitted: str
     """What was fitted to the model and why (logged once), or "" when the config wrote every size."""
 
@@ -96,11 +97,6 @@ class OffloadPlan:
     @property
     def largest_sub_group(self) -> int:
         return max((g.numel for g in self.sub_groups), default=1)
-
-    @property
-    def optimizer_buffer_bytes(self) -> int:
-        """One NVMe optimizer pool buffer: a whole sub-group's [master | exp_avg | exp_avg_sq | tail]."""
-        return (state_bytes(self.moments_dtype) + self.tail_bytes) * self.largest_sub_group
 
 
 def pack(by_group: list[list], sub_group_size: int, *, split: bool, tier: Tier = Tier.DEVICE,

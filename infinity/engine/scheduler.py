@@ -128,12 +128,12 @@ class PrefetchScheduler:
             st.hits += 1
             out = assemble(cached, True)
         else:
-            reader = mp.home.reader_of(mp)
             hit = self.inflight.pop(sid, None)
             if hit is not None:
                 st.hits += 1
-                fut, _, lent, _ = hit
+                fut, _, lent, reader = hit  # released through the reader that started it
             else:
+                reader = mp.home.reader_of(mp)
                 fut, lent = self._start(mp, sid, self.in_backward)
             self._busy = sid  # its buffer is still ours: no prefetch of the same partition until released
             try:

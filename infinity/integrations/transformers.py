@@ -42,6 +42,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from infinity.config import ConfigError
+from infinity.config.tier import Tier
 from infinity.engine.sizing import fit_param_buffer
 
 log = logging.getLogger("infinity")
@@ -459,7 +460,7 @@ def _from_pretrained(path: str, raw: dict, model_class, kwargs: dict):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the config's notes are said once, at initialize
         cfg = infinity.load_config({k: v for k, v in copy.deepcopy(raw).items() if k != "scheduler"})
-    if cfg.zero_optimization.offload_param.device == "nvme":
+    if cfg.zero_optimization.offload_param.tier is Tier.NVME:
         largest = _largest_shard(path, model_class, kwargs)
         if largest is not None:
             cfg = fit_param_buffer(cfg, largest)

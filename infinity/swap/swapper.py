@@ -50,7 +50,7 @@ from infinity.dtypes import BY_NAME, name_of
 from infinity.errors import DirectoryInUse, SwapCorruptionError
 from infinity.io import AsyncIO, aligned_empty
 from infinity.io.checksum import crc32c
-from infinity.dirlock import DirLock
+from infinity.dirlock import DirLock, probe
 from infinity.swap.pool import BufferPool
 from infinity.swap.registry import Partition, Registry, Residency
 from infinity.swap.tier import HOST
@@ -205,25 +205,33 @@ class TensorSwapper:
                 continue
             path = os.path.join(parent, name)
             try:
-                lock = DirLock(path, what="TensorSwapper: the swap directory", fix="")
-            except DirectoryInUse:
-                continue  # a live job's
-            try:
-                if not lock.held:  # no flock on this filesystem: whether its owner lives is unknown
-                    continue
-                files = [f for f in os.listdir(path) if f.endswith(".swp")]
-                for f in files:
-                    os.unlink(os.path.join(path, f))
-                removed += len(files)
-            finally:
-                lock.release()
-            try:
-                os.rmdir(path)
-            except OSError:  # something else is in it: left as it is
-                pass
+                removed += self._clear_dead(path)
+            except (OSError, DirectoryInUse):  # not ours to clear (another user's, read-only, live, gone): left
+                continue
         if removed:
             warnings.warn(f"infinity: removed {removed} swap files that dead ranks (numbered {world} and up) of an "
                           f"earlier, larger run left in {parent}", stacklevel=4)
+
+    @staticmethod
+    def _clear_dead(path: str) -> int:
+        """The swap files of `path`, removed under its lock if its owner is gone (its owner.pid unlocked); the
+        number removed. A directory without owner.pid, or on a filesystem without flock, is left alone."""
+        if probe(path) is not False:
+            return 0
+        lock = DirLock(path, what="TensorSwapper: the swap directory", fix="")
+        try:
+            if not lock.held:
+                return 0
+            files = [f for f in os.listdir(path) if f.endswith(".swp")]
+            for f in files:
+                os.unlink(os.path.join(path, f))
+        finally:
+            lock.release()
+        try:
+            os.rmdir(path)
+        except OSError:  # something else is in it: left as it is
+            pass
+        return len(files)
 
     def _unclaim(self) -> None:
         owner = getattr(self, "_owner", None)

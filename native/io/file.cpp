@@ -21,7 +21,7 @@ static int open_retrying(const std::string& path, int flags) {
 
 // [Note: a refused O_DIRECT open leaves no file]
 // Linux creates a missing file before it finds that the filesystem refuses
-// O_DIRECT (tmpfs, ramfs: EINVAL), so one open(O_CREAT | O_DIRECT) there
+// O_DIRECT (ramfs, older tmpfs: EINVAL), so one open(O_CREAT | O_DIRECT) there
 // leaves an empty file behind (a 0-byte .swp in a ramfs nvme_path). So a
 // write opens an existing file without O_CREAT, and creates a missing one
 // with O_EXCL: then the file is known to be this call's, and a refused open
@@ -30,13 +30,18 @@ int open_file(const std::string& path, bool write, bool direct) {
   int flags = O_CLOEXEC | (write ? O_WRONLY : O_RDONLY);
   if (direct) flags |= O_DIRECT;
   int fd = open_retrying(path, flags);
-  if (!write || fd != -ENOENT) return fd;
-  fd = open_retrying(path, flags | O_CREAT | O_EXCL);
-  if (fd == -EEXIST) return open_retrying(path, flags);  // created by another opener meanwhile
-  if (fd == -EINVAL && direct) {
-    // The open's EINVAL is the error to report: a failed unlink only leaves
-    // the empty file, as before this check.
-    (void)::unlink(path.c_str());
+  // Another opener may create the file between the two opens (EEXIST), or
+  // create it and remove it again (its open refused: ENOENT); a few turns
+  // settle either.
+  for (int turn = 0; write && fd == -ENOENT && turn < 8; ++turn) {
+    fd = open_retrying(path, flags | O_CREAT | O_EXCL);
+    if (fd == -EINVAL && direct) {
+      // The open's EINVAL is the error to report: a failed unlink only
+      // leaves the empty file, as before this check.
+      (void)::unlink(path.c_str());
+      return fd;
+    }
+    if (fd == -EEXIST) fd = open_retrying(path, flags);
   }
   return fd;
 }

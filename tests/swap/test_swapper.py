@@ -397,6 +397,7 @@ def _dead_rank(disk_dir, rank: int) -> None:
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.slow
 def test_rank_0_of_a_smaller_run_clears_the_dead_ranks_of_a_larger_one(disk_dir):
     """[Note: a smaller run clears a larger one's dead ranks]: rank2/ and rank3/ of a killed 4-rank run go when a
     2-rank run starts there; rank 1's belongs to the new run (its own rank clears it); a live job's stays."""
