@@ -77,6 +77,14 @@ class GradientBuckets:
             previous, self._in_flight = self._in_flight, None
             self._land(previous)
 
+    def discard(self) -> None:
+        """Forget what a backward left unfinished (its state was replaced, or it failed): the open bucket is
+        dropped, and a reduce-scatter in flight is waited for (every rank started it) and lands nowhere."""
+        self._bucket, self._elements = [], 0
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight[0].wait()
+
     def _land(self, in_flight) -> None:
         if in_flight is None:
             return

@@ -390,8 +390,10 @@ class ShardedAdam(torch.optim.Optimizer):
         return [g.grad for g in self.groups]
 
     def forget_gradients(self) -> None:
-        """Drop every gradient accumulated so far (they belong to a state that a checkpoint load replaced)."""
+        """Drop every gradient accumulated so far (they belong to a state that a checkpoint load replaced),
+        those still in a bucket or a collective included."""
         self.settle()
+        self.buckets.discard()
         for g in self.groups:
             g.grad = None
             for mp in g.params:

@@ -233,3 +233,17 @@ def test_bucket_size_zero_sends_every_gradient_on_its_own(bench):
     b.optimizer.flush_grads()
     assert b.ready == names and b.comm.waits == [1, 1, 1]
     assert [t.tolist() for t in b.comm.sent] == [[1, 1, 1, 0], [2, 2, 2, 0], [3, 3, 3, 0]]
+
+
+def test_discard_drops_the_open_bucket_and_lands_nothing_of_the_one_in_flight(bench):
+    """A backward that did not finish (a checkpoint load replaced its state): its gradients go nowhere, and the
+    next backward starts from empty buckets."""
+    b = bench({"a": (4,), "b": (4,)})
+    b.grad("a", torch.ones(4))
+    b.optimizer.buckets.flush(final=False)  # in flight
+    b.grad("b", torch.ones(4))  # in the open bucket
+    b.optimizer.buckets.discard()
+    assert b.comm.waits == [1], "the collective every rank started is waited for"
+    assert b.untouched("a") and b.untouched("b") and b.ready == []
+    b.optimizer.flush_grads()
+    assert len(b.comm.sent) == 1 and b.untouched("a") and b.untouched("b") and b.ready == []
