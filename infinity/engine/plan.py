@@ -166,16 +166,20 @@ def plan_offload(cfg: Config, store, by_group: list[list], *, say: bool) -> tupl
     off = zero.offload_optimizer
     tier, ratio = off.tier, off.ratio
     split = can_split(store, by_group, tier, ratio)
+
+    def packed(groups, size):
+        return pack(groups, size, split=split, tier=tier, ratio=ratio)
+
     fitted = ""
-    if tier is Tier.NVME:
+    if tier is Tier.NVME:  # the sizes fitted to the model; the sub-groups come packed with them
         def tail(groups) -> int:
             in_state = shards_in_state(store, [g.params for g in groups], tier, ratio)
             return 0 if in_state in (None, torch.float32) else in_state.itemsize
 
-        cfg, fitted, _ = fit_optimizer(cfg, by_group, lambda groups, size: pack(groups, size, split=split), tail,
-                                       split=split, say=say)
-        zero, off = cfg.zero_optimization, cfg.zero_optimization.offload_optimizer
-    sub_groups = pack(by_group, zero.sub_group_size, split=split, tier=tier, ratio=ratio)
+        cfg, fitted, sub_groups = fit_optimizer(cfg, by_group, packed, tail, split=split, say=say)
+        off = cfg.zero_optimization.offload_optimizer
+    else:
+        sub_groups = packed(by_group, zero.sub_group_size)
     in_state = shards_in_state(store, [g.params for g in sub_groups], tier, ratio)
     return cfg, OffloadPlan(
         param_tier=store.tier, optimizer_tier=tier, compute_dtype=store.dtype,
