@@ -110,6 +110,7 @@ class OptimizerSliceReader:
         self.crc: dict[str, int] = {}  # by piece key
         self._held: dict = {}
         self._staged: dict = {}  # sid -> a pool buffer holding the shard's newest values (stage())
+        self._partial: dict = {}  # sid -> [its buffer, elements in so far]: a split shard being staged
 
     @staticmethod
     def key(sid: str, at: int) -> str:
@@ -162,7 +163,7 @@ class OptimizerSliceReader:
         when no buffer is free beyond the one the critical path needs."""
         if sid in self._staged:
             raise RuntimeError(f"OptimizerSliceReader: {sid} is already staged")
-        buf = self.pool.try_acquire(f"stage {sid}", reserve=1)
+        buf = self.pool.try_acquire(f"stage {sid}", reserve=1, nbytes=values.numel() * self.itemsize)
         if buf is None:
             return False
         try:
@@ -173,13 +174,40 @@ class OptimizerSliceReader:
         self._staged[sid] = (buf, values.numel())
         return True
 
+    def stage_piece(self, sid: str, at: int, values: torch.Tensor, total: int) -> bool:
+        """stage() for a shard split over sub-groups: its elements [at, at + values.numel()) of `total`, as one
+        piece's group steps. The first piece staged takes the buffer (False, and nothing kept, when none is
+        free); the shard is staged once every element is in. A piece whose shard has no buffer is not kept."""
+        if sid in self._staged:
+            raise RuntimeError(f"OptimizerSliceReader: {sid} is already staged")
+        partial = self._partial.get(sid)
+        if partial is None:
+            buf = self.pool.try_acquire(f"stage {sid}", reserve=1, nbytes=total * self.itemsize)
+            if buf is None:
+                return False
+            partial = self._partial[sid] = [buf, 0]
+        buf = partial[0]
+        try:
+            buf.view(self.dtype, total)[at:at + values.numel()].copy_(values)
+        except BaseException:
+            del self._partial[sid]
+            self.pool.release(buf)
+            raise
+        partial[1] += values.numel()
+        if partial[1] == total:
+            del self._partial[sid]
+            self._staged[sid] = (buf, total)
+        return True
+
     def staged(self, sid: str) -> bool:
         return sid in self._staged
 
     def drop_staged(self) -> None:
-        """Give back every staged copy not taken (before the optimizer next changes the state)."""
+        """Give back every staged copy not taken, whole or in part (before the optimizer next changes the
+        state)."""
         staged, self._staged = self._staged, {}
-        for buf, _ in staged.values():
+        partial, self._partial = self._partial, {}
+        for buf, _ in [*staged.values(), *partial.values()]:
             self.pool.release(buf)
 
     def swap_in(self, sid: str, *, prefetch: bool = False, reserve: int = 0):
@@ -190,8 +218,13 @@ class OptimizerSliceReader:
             buf, numel = staged
             self._held[sid] = buf
             return _Staged(buf.view(self.dtype, numel))
+        partial = self._partial.pop(sid, None)
+        if partial is not None:  # not every piece was staged (a walk settled without staging): the file has them
+            self.pool.release(partial[0])
         pieces = self.where[sid]
-        buf = self.pool.try_acquire(f"read {sid}", reserve=reserve) if prefetch else self.pool.acquire(f"read {sid}")
+        need = (pieces[-1][3] + pieces[-1][2]) * self.itemsize
+        buf = (self.pool.try_acquire(f"read {sid}", reserve=reserve, nbytes=need) if prefetch
+               else self.pool.acquire(f"read {sid}", nbytes=need))
         if buf is None:
             return None
         self._held[sid] = buf

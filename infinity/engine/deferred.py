@@ -47,10 +47,14 @@ copy is taken once; the ones not taken are given back before the optimizer
 next changes the state (its next step, a checkpoint import), when the walk
 is abandoned, and at close. Groups stepped only to settle the walk (at
 backward's start, a checkpoint) are not staged: nobody is about to read them.
-A shard split over sub-groups is not staged (its pieces are stepped
-apart); nor is one when no buffer is free: those are read from the file
-after the write, as before. The pool's buffers bound what is staged, so
-this holds no memory the prefetch would not.
+A shard split over sub-groups (at gpt-125m the tied embedding, the first
+thing forward reads) is staged piece by piece: its first piece stepped
+takes a buffer for the whole shard, each piece is copied in as its group
+steps, and the shard counts as staged once the last one is in. A shard
+that finds no buffer free is read from the file after the write, as
+before. The pool's bytes bound what is staged ([Note: a pool of full-size
+slots lends smaller buffers] in swap/pool.py: a copy takes its own size,
+not a slot), so this holds no memory the prefetch would not.
 
 The result is the same step, bit for bit: the same gradients, the same
 clip coefficient, the same hyper-parameters per group, applied to the same
@@ -196,6 +200,10 @@ class DeferredStep:
         staged]), until none is free."""
         reader = self.optimizer.store.alias
         src = views.lowp if views.lowp is not None else views.param
+        if g.split:  # one piece: into the buffer its shard's first staged piece took
+            (mp, off, lo, hi), = g.entries()
+            reader.stage_piece(mp.home.swap_id(mp), lo, src[off:off + hi - lo], mp.part)
+            return
         for mp, off in zip(g.params, g.offsets):  # a group that is not a piece holds whole shards
             if not reader.stage(mp.home.swap_id(mp), src[off:off + mp.part]):
                 return
@@ -204,7 +212,7 @@ class DeferredStep:
         g = self.groups[self.next]
         after = self.groups[self.next + 1].state if self.next + 1 < len(self.groups) else None
         work = self.works[g.index]
-        if stage and self.wait_writes and not g.split:
+        if stage and self.wait_writes:
             def work(views, adam=work, g=g):
                 adam(views)
                 self._stage(g, views)

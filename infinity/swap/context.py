@@ -24,11 +24,11 @@ class SwapContext:
     """Pool + AsyncIO + TensorSwapper: `count` buffers of `size` bytes, files under `directory`."""
 
     def __init__(self, *, directory, count: int, size: int, cfg: Config, pin: bool, rank: int = 0, kind: str = "",
-                 world: int | None = None):
+                 world: int | None = None, sized: bool = False):
         self.io = AsyncIO.from_config(cfg)
         try:
             # pin_memory page-locks the pool for device copies, which only means something when CUDA is there.
-            self.pool = BufferPool(count, size, pin=pin and torch.cuda.is_available())
+            self.pool = BufferPool(count, size, pin=pin and torch.cuda.is_available(), sized=sized)
             self.swapper = TensorSwapper(directory, self.pool, self.io, rank=rank, kind=kind, world=world,
                                          checksums=cfg.infinity.checksums, leftovers=cfg.infinity.leftovers)
         except BaseException:
@@ -63,13 +63,14 @@ class SwapContext:
     @classmethod
     def for_params(cls, cfg: Config, *, rank: int = 0, largest_shard_numel: int | None = None,
                    world: int | None = None) -> "SwapContext":
-        """Parameter shards: buffer_size elements of fp32 (shards start as fp32; see ParamStore)."""
+        """Parameter shards: slots of buffer_size elements of fp32 (shards start as fp32; see ParamStore), each
+        shard's buffer just its size ([Note: a pool of full-size slots lends smaller buffers] in pool.py)."""
         off = cfg.zero_optimization.offload_param
         if off.tier is not Tier.NVME:
             raise ValueError('SwapContext: zero_optimization.offload_param.device is not "nvme"; nothing to swap')
         numel = off.buffer_size if largest_shard_numel is None else largest_shard_numel
         return cls(directory=off.nvme_path, count=off.buffer_count, size=4 * numel, cfg=cfg, pin=off.pin_memory,
-                   rank=rank, kind="param", world=world)
+                   rank=rank, kind="param", world=world, sized=True)
 
     def close(self) -> None:
         self.swapper.close()

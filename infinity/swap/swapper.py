@@ -290,7 +290,7 @@ class TensorSwapper:
             if part.tail_nbytes:
                 raise ValueError(f"swap_out({part_id!r}): a partition with a {part.tail_nbytes}-byte tail is "
                                  "written from the buffer that holds it (swap it in, or use swap_out_buffer)")
-        buf = self.pool.acquire(owner=f"swap_out:{part_id}")
+        buf = self.pool.acquire(owner=f"swap_out:{part_id}", nbytes=part.nbytes)
         try:
             buf.view(part.dtype, part.numel).copy_(tensor.reshape(-1))
             with self._lock:
@@ -384,7 +384,9 @@ class TensorSwapper:
                 raise RuntimeError(f"swap_in({part_id!r}): partition is {part.residency.name}; wait for its "
                                    "pending swap first")
         owner = f"swap_in:{part_id}"
-        buf = self.pool.try_acquire(owner, reserve=reserve) if prefetch else self.pool.acquire(owner)
+        need = part.write_nbytes  # the tail too: the caller may write it before the buffer goes back out
+        buf = (self.pool.try_acquire(owner, reserve=reserve, nbytes=need) if prefetch
+               else self.pool.acquire(owner, nbytes=need))
         if buf is None:
             return None
         try:
@@ -394,7 +396,10 @@ class TensorSwapper:
                     done = SwapFuture()
                     done._set(part.buffer.view(part.dtype, part.numel))
                     return done
-                part.begin_read(buf)  # raises unless ON_DISK
+                if part.residency is not Residency.ON_DISK:  # another thread started its read meanwhile
+                    raise RuntimeError(f"swap_in({part_id!r}): partition is {part.residency.name}; wait for its "
+                                       "pending swap first")
+                part.begin_read(buf)
                 self._stale.discard(part_id)  # read by this run: from now on its layout is the one it is read as
         except BaseException:
             if buf.owner is not None and part.buffer is not buf:
