@@ -11,7 +11,7 @@ STAMP := build/.deps-stamp
 
 $(STAMP): setup.py pyproject.toml native/install_deps.sh Makefile
 	bash native/install_deps.sh
-	$(PIP) install -q --disable-pip-version-check "$(TORCH_PIN)" numpy pytest hypothesis pybind11 setuptools wheel matplotlib "transformers==5.24.0" "peft==0.21.2" "accelerate==1.16.0" "datasets==5.2.0" "trl==1.16.0" "lightning==2.6.6" "tensorboard==2.21.0" tqdm safetensors "zarr>=3,<4"
+	$(PIP) install -q --disable-pip-version-check "$(TORCH_PIN)" numpy pytest "pytest-xdist==3.8.0" hypothesis pybind11 setuptools wheel matplotlib "transformers==5.24.0" "peft==0.21.2" "accelerate==1.16.0" "datasets==5.2.0" "trl==1.16.0" "lightning==2.6.6" "tensorboard==2.21.0" tqdm safetensors "zarr>=3,<4"
 	mkdir -p build && touch $(STAMP)
 
 deps: $(STAMP)
@@ -32,12 +32,13 @@ build: $(BUILD_STAMP)
 run: build
 	$(PYTHON) -m infinity train
 
+# One pytest worker per core (xdist): most tests wait on subprocesses, the disk or other ranks.
 test: build
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n auto --dist worksteal tests
 
 # The fast tier (about 2 minutes): every test but those marked slow.
 test-fast: build
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTHON) -m pytest -q -n auto --dist worksteal -m "not slow" tests
 
 # The native tests (a C++ driver, no Python) under ASan + UBSan.
 asan: deps

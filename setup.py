@@ -129,7 +129,7 @@ setup(
     cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithConfigs},
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy"],
-    extras_require={"test": ["pytest", "hypothesis", "safetensors", "zarr>=3"], "plot": ["matplotlib"],
+    extras_require={"test": ["pytest", "pytest-xdist", "hypothesis", "safetensors", "zarr>=3"], "plot": ["matplotlib"],
                     "hf": ["transformers>=5.24,<6", "accelerate>=1.16", "peft>=0.21", "datasets>=5.2",
                            "tokenizers", "safetensors", "tqdm", "trl>=1.16,<2"],
                     "zarr": ["zarr>=3"]},
