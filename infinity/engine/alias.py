@@ -176,12 +176,14 @@ class OptimizerSliceReader:
 
     def stage_piece(self, sid: str, at: int, values: torch.Tensor, total: int) -> bool:
         """stage() for a shard split over sub-groups: its elements [at, at + values.numel()) of `total`, as one
-        piece's group steps. The first piece staged takes the buffer (False, and nothing kept, when none is
+        piece's group steps. The first piece (at 0) takes the buffer (False, and nothing kept, when none is
         free); the shard is staged once every element is in. A piece whose shard has no buffer is not kept."""
         if sid in self._staged:
             raise RuntimeError(f"OptimizerSliceReader: {sid} is already staged")
         partial = self._partial.get(sid)
         if partial is None:
+            if at != 0:  # its first piece found no buffer (or was not staged): the shard is read from the file
+                return False
             buf = self.pool.try_acquire(f"stage {sid}", reserve=1, nbytes=total * self.itemsize)
             if buf is None:
                 return False

@@ -348,3 +348,27 @@ def test_stepped_shards_are_staged_for_forward_instead_of_read_back(disk_dir, mo
     assert sum(r.param_read_bytes for r in staged) < sum(r.param_read_bytes for r in plain)
     assert runs[True][0] == runs[False][0]
     same(runs[True][1], runs[False][1])
+
+
+def test_a_split_shard_is_staged_whole_or_not_at_all():
+    """OptimizerSliceReader.stage_piece: the first piece takes one buffer of the whole shard's bytes; a later
+    piece whose first found no buffer keeps nothing; copies not taken go back."""
+    from types import SimpleNamespace
+
+    from infinity.engine.alias import OptimizerSliceReader
+    from infinity.swap import BufferPool
+
+    pool = BufferPool(2, 4 * 3000, pin=False, sized=True)
+    store = SimpleNamespace(swap=SimpleNamespace(pool=pool, io=None, swapper=SimpleNamespace(checksums=False)))
+    reader = OptimizerSliceReader(store, torch.float32)
+    values = torch.arange(3000, dtype=torch.float32)
+    assert not reader.stage_piece("a", 2000, values[2000:], 3000) and pool.in_use == 0, \
+        "a piece without its first keeps nothing"
+    assert reader.stage_piece("b", 0, values[:2000], 3000) and not reader.staged("b") and pool.in_use == 1
+    assert reader.stage_piece("b", 2000, values[2000:], 3000) and reader.staged("b") and pool.in_use == 1
+    assert torch.equal(reader.swap_in("b").wait(), values)
+    reader.release("b")
+    assert reader.stage_piece("c", 0, values[:2000], 3000) and pool.in_use == 1
+    assert not reader.stage_piece("d", 0, values[:2000], 3000), "a second whole slot would leave none free"
+    reader.drop_staged()
+    assert pool.in_use == 0 and not reader._partial

@@ -107,3 +107,52 @@ def test_a_group_never_destroyed_is_destroyed_at_exit(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == "trained at exit, group alive: False".split(), out.stdout
+
+
+def _disk_room_rank(rank: int, world: int, port: int, swap: str, out: str):
+    import json
+    import shutil
+    from collections import namedtuple
+
+    import torch
+
+    from infinity.config import ConfigError
+    from infinity.engine import initialize
+    from infinity.testing.parity import gloo_rank
+
+    if rank == 1:  # only this rank's disk is full
+        usage = namedtuple("usage", "total used free")
+        shutil.disk_usage = lambda p: usage(10**9, 10**9 - 100, 100)
+    nvme = {"device": "nvme", "nvme_path": f"{swap}/rank{rank}"}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "infinity": {"comm_timeout_s": 60},
+           "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme}}
+    record = {}
+    with gloo_rank(rank, world, port):
+        try:
+            initialize(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)), cfg)
+        except ConfigError as exc:
+            record = {"error": type(exc).__name__, "message": str(exc)}
+        else:
+            record = {"error": None}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(record, f)
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_one_rank_stops_every_rank_with_a_config_error(tmp_path):
+    """The disk-room check runs on every rank before anything is written; one rank's failure reaches the
+    others as a ConfigError that sends them to its message, not as a checkpoint or rank failure."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from infinity.testing.parity import free_port
+
+    swap = tmp_path / "swap"
+    mp.spawn(_disk_room_rank, args=(2, free_port(), str(swap), str(tmp_path)), nprocs=2, join=True)
+    mine, theirs = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (1, 0))
+    assert mine["error"] == "ConfigError" and "has 100 bytes free, but the swap files of this host's ranks need" \
+        in mine["message"], mine
+    assert theirs == {"error": "ConfigError",
+                      "message": "the disk-room check failed on another rank (its own error says why)"}, theirs
+    assert not [f for f in swap.rglob("*") if f.is_file()], "nothing was written on either rank"
