@@ -4,7 +4,9 @@ defaults").
 
 Each (model, config) pair is a fresh `infinity train --model M --config C --steps N` process; the figures
 are its own: the peak RSS of the run (`peak_rss_bytes`, sampled), the median step time after the first step
-(the first records the prefetch trace) and the median prefetch hit rate after it. The ratios are against the
+(the first records the prefetch trace), the median prefetch hit rate after it, and the median share of
+parameter fetches that read their shard from disk on the critical path (a miss that took a stepped shard's
+staged copy reads nothing: it waited, if at all, for the deferred step). The ratios are against the
 all-in-RAM run of the same model in the same invocation. Before each run, `infinity plan --model M --config C`
 (no budget: the config's run as written, [Note: predicting a config's run] in infinity/tools/plan/cost.py)
 predicts its peak RSS over the baseline and its step time; the last columns are measured / predicted.
@@ -69,10 +71,14 @@ def one(model: str, config: str, args, scratch: Path) -> dict:
     later = rows[1:] or rows
     swapped = json.loads((out / "run.json").read_text())["param_tier"] == "nvme"  # else nothing is prefetched
     hits = [r["prefetch_hit_rate"] for r in later if swapped and r.get("prefetch_hit_rate") is not None]
+    # Fetches that read from disk on the critical path (misses not served from a staged copy or lent weights).
+    critical = [r["param_critical_reads"] / r["param_fetches"] for r in later
+                if swapped and r.get("param_fetches")]
     peak = max(r["peak_rss_bytes"] for r in rows)
     return {"peak_rss_bytes": peak, "peak_over_baseline_bytes": peak - rows[0]["baseline_rss_bytes"],
             "step_s": statistics.median(r["step_s"] for r in later),
             "hit_rate": statistics.median(hits) if hits else None,
+            "critical_read_rate": statistics.median(critical) if critical else None,
             "losses": [r["loss"] for r in rows], "predicted_peak_over_baseline_bytes": pred["predicted_peak_bytes"],
             "predicted_step_s": pred["predicted_step_s"], "predicted_memory": pred["memory"],
             "predicted_time": pred["time"], "rates": pred["rates"]}
@@ -92,9 +98,9 @@ def main(argv=None) -> int:
     try:
         if not args.json:
             print(f"# bench defaults: {args.steps} steps each, figures after step 1, swap files in {args.nvme_path}")
-            print("| model | config | peak RSS | vs RAM | step | vs RAM | prefetch hit | peak over baseline, measured "
-                  "/ predicted | step, measured / predicted |")
-            print("|---|---|---|---|---|---|---|---|---|")
+            print("| model | config | peak RSS | vs RAM | step | vs RAM | prefetch hit | read on the critical path | "
+                  "peak over baseline, measured / predicted | step, measured / predicted |")
+            print("|---|---|---|---|---|---|---|---|---|---|")
         for name in args.models.split(","):
             model = llama_300m(scratch) if name == "llama-300m" else name
             ram = None
@@ -105,9 +111,10 @@ def main(argv=None) -> int:
                     print(json.dumps({"model": name, "config": config, **r}), flush=True)
                     continue
                 hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f} %"
+                critical = "-" if r["critical_read_rate"] is None else f"{100 * r['critical_read_rate']:.0f} %"
                 print(f"| {name} | `{config}` ({label}) | {r['peak_rss_bytes'] / 2**30:.2f} GiB | "
                       f"{r['peak_rss_bytes'] / ram['peak_rss_bytes']:.2f}x | {r['step_s']:.2f} s | "
-                      f"{r['step_s'] / ram['step_s']:.2f}x | {hit} | "
+                      f"{r['step_s'] / ram['step_s']:.2f}x | {hit} | {critical} | "
                       f"{r['peak_over_baseline_bytes'] / r['predicted_peak_over_baseline_bytes']:.2f} | "
                       f"{r['step_s'] / r['predicted_step_s']:.2f} |", flush=True)
     finally:

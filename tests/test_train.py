@@ -9,6 +9,7 @@ import pytest
 
 INFINITY = [sys.executable, "-m", "infinity"]
 FIELDS = {"step", "loss", "step_s", "io_read_bytes", "io_write_bytes", "exposed_io_s", "prefetch_hit_rate",
+          "param_fetches", "param_critical_reads", "param_stall_s",
           "peak_rss_bytes", "comm_s", "tokens_per_s"}
 
 

@@ -208,6 +208,7 @@ class Engine(ModuleSurface, DeepSpeedSurface):
             grad_norm=norm, step_s=t1 - self._t_last, optimizer_s=t1 - t0,
             param_fetches=sum(s.fetches for s in fs), prefetch_hits=sum(s.hits for s in fs),
             param_lent=sum(s.lent for s in fs), param_staged=sum(s.staged for s in fs),
+            param_critical_reads=sum(s.critical_reads for s in fs),
             param_stall_s=sum(s.stall_s for s in fs),
             optimizer_io_wait_s=stats.io_wait_s + self.optimizer.deferred_wait_s - self._deferred_mark,
             param_read_bytes=sum(s.bytes_read for s in fs), optimizer_read_bytes=stats.bytes_read,

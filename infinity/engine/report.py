@@ -24,6 +24,8 @@ class StepReport:
     param_staged: int
     """Fetches served from a copy the step finished in forward staged (see [Note: stepped shards are staged] in
     deferred.py)."""
+    param_critical_reads: int
+    """Fetches that read their shard from disk on the critical path: the misses not served from memory."""
     param_stall_s: float
     """Exposed parameter I/O: time forward/backward waited on shard reads."""
     optimizer_io_wait_s: float

@@ -63,6 +63,9 @@ class PrefetchStats:
     staged: int = 0
     """Fetches served from a copy the deferred step staged as it stepped the shard (no read of their own, see
     [Note: stepped shards are staged] in deferred.py)."""
+    critical_reads: int = 0
+    """Misses that read their shard from its file on the critical path; the other misses took a staged copy or
+    lent master weights, from memory (their wait, if any, is the deferred step's, counted as optimizer wait)."""
     recorded: bool = False
     """This step recorded the trace (its fetches are all misses by design)."""
 
@@ -161,6 +164,7 @@ class PrefetchScheduler:
                 st.staged += 1
             else:
                 st.bytes_read += view.numel() * view.element_size()
+                st.critical_reads += hit is None
             self._prefetch()
         if j is not None and self.keep[j]:
             if self.cached + mp.part <= self.bucket:

@@ -602,7 +602,9 @@ def _one_step(engine, data, step: int, accum: int) -> dict:
     return {"step": step + 1, "loss": loss, "step_s": step_s, "data_s": data_s, "tokens": int(stats[1].item()),
             "tokens_per_s": stats[1].item() / step_s, "io_read_bytes": r.io_read_bytes,
             "io_write_bytes": r.io_write_bytes, "exposed_io_s": r.exposed_io_s, "comm_s": r.comm_s,
-            "prefetch_hit_rate": r.prefetch_hit_rate, "skipped": r.skipped, "loss_scale": r.loss_scale,
+            "prefetch_hit_rate": r.prefetch_hit_rate, "param_fetches": r.param_fetches,
+            "param_critical_reads": r.param_critical_reads, "param_stall_s": r.param_stall_s,
+            "skipped": r.skipped, "loss_scale": r.loss_scale,
             "lr": lr[0]}
 
 

@@ -345,6 +345,9 @@ def test_stepped_shards_are_staged_for_forward_instead_of_read_back(disk_dir, mo
     assert len(whole) >= 2, "the split embedding was staged in the deferred steps"
     staged, plain = runs[True][2][2:], runs[False][2][2:]  # after the trace is recorded and a step deferred
     assert all(r.param_staged > 0 for r in staged) and all(r.param_staged == 0 for r in plain)
+    assert all(r.param_critical_reads <= r.param_fetches - r.prefetch_hits for r in staged + plain)
+    assert sum(r.param_critical_reads for r in staged) < sum(r.param_critical_reads for r in plain), \
+        "a staged copy taken by a fetch is no read on the critical path"
     assert sum(r.param_read_bytes for r in staged) < sum(r.param_read_bytes for r in plain)
     assert runs[True][0] == runs[False][0]
     same(runs[True][1], runs[False][1])

@@ -180,6 +180,7 @@ def test_first_step_records_the_fetches_in_the_order_the_modules_ran(run):
     assert [mp.name for mp in r.sched.trace] == [mp.name for mp in want], "the trace is the fetch order"
     assert all(a is b for a, b in zip(r.sched.trace, want))
     assert first.recorded and first.fetches == len(want) and first.hits == 0
+    assert first.critical_reads == first.fetches, "each recorded fetch read its file on the critical path"
     reads = r.reads()
     assert [e[1] for e in reads] == [e[1] for e in r.log if e[0] == "fetch"], "recording reads on demand"
     assert not any(e[2] for e in reads), "nothing is prefetched while recording"
@@ -191,7 +192,7 @@ def test_first_step_records_the_fetches_in_the_order_the_modules_ran(run):
     assert [mp.name for mp in r.sched.trace] == [mp.name for mp in want], "a step in trace order keeps the trace"
     assert [e[1] for e in r.reads()] == first_sids
     assert all(e[2] for e in r.reads()), "every read of a step in trace order is a prefetch"
-    assert second.fetches == len(want) and second.hits == second.fetches
+    assert second.fetches == len(want) and second.hits == second.fetches and second.critical_reads == 0
 
 
 # ------------------------------------------------------------------------------------ (b) bounded prefetch
@@ -243,6 +244,7 @@ def test_prefetch_stays_within_the_pool_and_the_prefetch_bucket(run, buffers, bu
         else:
             assert 0 < most_ahead <= BIAS, "biases are read ahead; a weight does not fit in the bucket"
             assert 0 < prefetched < n_fetches and stats.hits == prefetched, (prefetched, stats)
+            assert stats.critical_reads == n_fetches - prefetched, "every miss read on the critical path"
     assert r.pool.peak_in_use <= buffers - 1, "over the whole run, one buffer always stayed free"
 
 
