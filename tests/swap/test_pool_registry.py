@@ -20,6 +20,16 @@ def test_pool_buffers_are_aligned_and_disjoint():
     assert pool.try_acquire() is None and pool.free_count == 0
 
 
+def _run_four(worker):
+    """worker(seed) on four threads at once; each must end within 120 s."""
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), f"{t.name} still running after 120 s: the pool deadlocked or starved it"
+
+
 def test_pool_accounting_after_10000_random_concurrent_swaps():
     pool = BufferPool(3, 4096, pin=False)
     over, errors = [], []
@@ -57,12 +67,7 @@ def test_pool_accounting_after_10000_random_concurrent_swaps():
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-        assert not t.is_alive(), f"{t.name} still running after 120 s: the pool deadlocked or starved it"
+    _run_four(worker)
     assert not errors, errors
     assert not over, "more buffers out than the pool has"
     assert pool.free_count == pool.count and pool.in_use == 0
@@ -282,12 +287,7 @@ def test_sized_buffers_never_overlap_under_10000_random_concurrent_takes():
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-        assert not t.is_alive(), f"{t.name} still running after 120 s: the pool deadlocked or starved it"
+    _run_four(worker)
     assert not errors, errors
     assert pool.in_use == 0 and pool.free_count == 3 and pool._free == [[0, pool.nbytes]]
     assert pool.acquired_total > 1000
