@@ -376,13 +376,9 @@ class TensorSwapper:
         self._check_open()
         part = self.registry[part_id]
         with self._lock:
-            if part.residency is Residency.IN_CPU:
-                done = SwapFuture()
-                done._set(part.buffer.view(part.dtype, part.numel))
+            done = self._already_in(part)  # no buffer taken for a partition in memory or on its way
+            if done is not None:
                 return done
-            if part.residency is not Residency.ON_DISK:
-                raise RuntimeError(f"swap_in({part_id!r}): partition is {part.residency.name}; wait for its "
-                                   "pending swap first")
         owner = f"swap_in:{part_id}"
         need = part.write_nbytes  # the tail too: the caller may write it before the buffer goes back out
         buf = (self.pool.try_acquire(owner, reserve=reserve, nbytes=need) if prefetch
@@ -391,14 +387,10 @@ class TensorSwapper:
             return None
         try:
             with self._lock:
-                if part.residency is Residency.IN_CPU:  # another thread read it meanwhile
+                done = self._already_in(part)  # another thread read it, or started to, meanwhile
+                if done is not None:
                     self.pool.release(buf)
-                    done = SwapFuture()
-                    done._set(part.buffer.view(part.dtype, part.numel))
                     return done
-                if part.residency is not Residency.ON_DISK:  # another thread started its read meanwhile
-                    raise RuntimeError(f"swap_in({part_id!r}): partition is {part.residency.name}; wait for its "
-                                       "pending swap first")
                 part.begin_read(buf)
                 self._stale.discard(part_id)  # read by this run: from now on its layout is the one it is read as
         except BaseException:
@@ -415,6 +407,19 @@ class TensorSwapper:
         out = SwapFuture(f"read {part_id}")
         self._reads.put(_Reap("in", part, [fut], out))
         return out
+
+    @staticmethod
+    def _already_in(part: Partition) -> SwapFuture | None:
+        """Under the lock: a done future for a partition in memory, None for one on disk (to be read); a
+        partition on its way in or out is refused."""
+        if part.residency is Residency.IN_CPU:
+            done = SwapFuture()
+            done._set(part.buffer.view(part.dtype, part.numel))
+            return done
+        if part.residency is not Residency.ON_DISK:
+            raise RuntimeError(f"swap_in({part.id!r}): partition is {part.residency.name}; wait for its pending "
+                               "swap first")
+        return None
 
     def release(self, part_id: str, *, discard: bool = False) -> None:
         """Drop the in-memory copy of a partition whose file is current; its buffer goes back to the pool.
