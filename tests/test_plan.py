@@ -358,9 +358,9 @@ def _shipped(name: str, tmp_path, **changes):
 
 def test_predict_takes_the_configs_placement_and_the_engines_fitted_sizes(small, tmp_path):
     """Without a budget the planner predicts the run of a config as written ([Note: predicting a config's run]):
-    the config's tiers, the sizes the engine fits where the config writes none (engine/sizing.py), and, with
+    the config's tiers, the sizes the engine fits where the config writes none (engine/plan.py), and, with
     clipping, the step finished in the next forward moving 30 B/param in bf16."""
-    from infinity.engine.sizing import FLOOR, TARGET
+    from infinity.engine.plan import FLOOR, TARGET
     from infinity.tools.plan import predict
 
     raw, cfg = _shipped("nvme_offload.json", tmp_path)

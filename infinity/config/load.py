@@ -23,6 +23,11 @@ from infinity.errors import ConfigError
 from infinity.units import parse_size
 
 
+def as_config(config) -> Config:
+    """`config` as a Config: one already built stays as it is; anything else is loaded (None: every default)."""
+    return config if isinstance(config, Config) else load_config(config if config is not None else {})
+
+
 def load_config(source, *, nvme_path: str | os.PathLike | None = None) -> Config:
     """Load a swap config from a path, a JSON string's file, or a dict.
 

@@ -38,6 +38,15 @@ class BatchSizes:
     """Micro-batches per optimizer step."""
 
 
+def resolve(cfg, model, world: int) -> tuple:
+    """(cfg with the model's "auto" values filled, its batch sizes for `world` ranks): everything the config
+    means once the model and the world size are known. An inconsistent batch set raises ConfigError here,
+    before anything is built."""
+    cfg = resolve_auto(cfg, model)
+    return cfg, resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                              cfg.gradient_accumulation_steps, world)
+
+
 def resolve_batch(train_batch_size, micro, gas, world: int) -> BatchSizes:
     """See [Note: batch sizes]. Raises ConfigError naming the three values and the world size."""
     def error(why):

@@ -270,7 +270,7 @@ class Config:
     """Dotted keys given as "auto" (see [Note: auto] in resolve.py)."""
     given: frozenset | None = field(default=None, metadata={"internal": True})
     """Dotted keys the config wrote a value for (aliases under their field's name): the sizes not among them
-    are the engine's to fit to the model (see [Note: sizes fitted to the model] in engine/sizing.py). None for
+    are the engine's to fit to the model (see [Note: sizes fitted to the model] in engine/plan.py). None for
     a Config built in Python rather than loaded: every value in it counts as written."""
     optimizer_given: bool = field(default=True, metadata={"internal": True})
     """False when the config had no optimizer section (the default AdamW is then said once)."""

@@ -1,8 +1,9 @@
 """initialize: the engine assembled from the config and the model, in the order each piece needs the last.
 
-  config        "auto" resolved from the model, the batch sizes checked for this world size
-  store         the zero_init block's, or built now with its pool fitted to the model (build.py)
-  disk room     checked on every rank before anything is written
+  config        parsed; the process group joined; "auto" resolved from the model and the batch sizes checked
+                for this world size (config/resolve.py)
+  store         the zero_init block's, or built now with its pool fitted to the model, and the swap files'
+                room checked on every rank before anything is written (build.py)
   adoption      construction ends; the model's parameters become shards, frozen ones frozen
   plan          where each kind of state lives, and the sub-groups (plan.py)
   optimizer     ShardedAdam over the plan, its NVMe pool if the plan has one
@@ -15,16 +16,16 @@ block's store stays for its own exit), so a failed setup leaves no files behind;
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 
 import torch
 
-from infinity.config import Config, ConfigError
-from infinity.config.resolve import resolve_auto, resolve_batch
+from infinity.config import Config
+from infinity.config.load import as_config
+from infinity.config.resolve import resolve
 from infinity.engine import lifetime
-from infinity.engine.build import as_config, build_store, pool_shard_numel
-from infinity.engine.comm import init_distributed, together
+from infinity.engine.build import store_for
+from infinity.engine.comm import init_distributed
 from infinity.engine.engine import Engine
 from infinity.engine.hooks import ParamHooks
 from infinity.engine.memory import CONSTRUCTION, set_mmap_threshold
@@ -33,9 +34,7 @@ from infinity.engine.params import managed
 from infinity.engine.plan import plan_offload
 from infinity.engine.zero_init import current_store
 from infinity.swap import SwapContext
-from infinity.swap.state import MOMENT_DTYPES, state_bytes
 from infinity.swap.telemetry import Trace
-from infinity.swap.tier import Tier
 
 log = logging.getLogger("infinity")
 
@@ -51,31 +50,29 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
     that requires grad. `lr_scheduler` is a torch lr scheduler or a function
     optimizer -> scheduler.
     """
-    cfg = resolve_auto(as_config(config), model)
+    cfg = as_config(config)
     set_mmap_threshold(CONSTRUCTION)  # setup stays memory-bounded; the steps get cfg's: [Note: glibc's mmap threshold]
     comm = init_distributed(cfg.infinity.comm_timeout_s)
-    batch = resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
-                          comm.world)  # before anything is built: an inconsistent set fails here
+    cfg, batch = resolve(cfg, model, comm.world)  # before anything is built: an inconsistent set fails here
     groups = param_groups(model, model_parameters)  # checked before a store (and its swap directory) exists
-    trained = {id(p) for g in groups for p in g["params"]}
-    store = _store_for(model, cfg, comm)
     if not cfg.optimizer_given:
         hp = cfg.optimizer.params
         log.warning("infinity: the config has no optimizer section: training with %s lr %g, betas %s, eps %g, "
                     "weight_decay %g (add an optimizer section to choose)", cfg.optimizer.type, hp.lr,
                     tuple(hp.betas), hp.eps, hp.weight_decay)
+    trained = {id(p) for g in groups for p in g["params"]}
+    existing = next((managed(p).store for p in model.parameters() if managed(p) is not None), None)
 
-    def failed():
+    def failed(store):
         if store is not current_store():
             store.close()  # what zero_init wrote goes too: nothing of a failed setup stays on disk
 
-    together(comm, "the disk-room check", lambda: check_disk_room(cfg, store, model, trained, comm.world), failed,
-             error=lambda message: ConfigError("", message))
+    store = store_for(cfg, comm, model, trained=trained, existing=existing or current_store(), on_failure=failed)
     try:  # a failure here (a shard too big for the pool's buffers, ...) leaves no open store or files
         _adopt(model, store, trained)
         cfg, plan, optimizer = _optimizer_for(cfg, store, comm, groups)
     except BaseException:
-        failed()
+        failed(store)
         raise
     store.finish_setup()
     hooks = ParamHooks(store)
@@ -91,16 +88,6 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
         raise
     set_mmap_threshold(cfg.infinity.mmap_threshold)
     return engine
-
-
-def _store_for(model: torch.nn.Module, cfg: Config, comm):
-    """The store the model's parameters are in (zero_init's), or a new one with its pool fitted to the model."""
-    store = next((managed(p).store for p in model.parameters() if managed(p) is not None), None)
-    if store is None:
-        store = current_store() or build_store(cfg, comm,
-                                               largest_shard_numel=pool_shard_numel(cfg, model, comm.world))
-    store.set_prefetch_bucket(cfg.zero_optimization.stage3_prefetch_bucket_size)  # "auto" may be the model's now
-    return store
 
 
 def _adopt(model: torch.nn.Module, store, trained: set) -> None:
@@ -153,67 +140,6 @@ def _optimizer_for(cfg: Config, store, comm, groups: list[dict]):
             swap.close()
         raise
     return cfg, plan, optimizer
-
-
-def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None:
-    """Before initialize writes anything: do the nvme_path filesystems have room for this rank's swap files?
-    Raises ConfigError naming the path, the bytes needed (parameters and optimizer) and the bytes free."""
-    import math
-    import shutil
-
-    zero = cfg.zero_optimization
-    params = {id(p): p for p in model.parameters()}
-    part = {k: math.ceil(p.numel() / world) for k, p in params.items()}
-    # [Note: swap files during setup] While the optimizer writes its first state, each sub-group's fp32
-    # parameter files (from zero_init, or adopted now) are removed as the group's compute-dtype copies are
-    # written (their own files; or, with the copies in the optimizer file's tail, as soon as the group has
-    # read them): the fp32 files and the copies never coexist beyond one sub-group. So a filesystem holding
-    # both needs the larger of "every fp32 file" and "every copy plus the optimizer state", less what the
-    # files already written under zero_init take now (free space excludes them). With the copies in the
-    # tail (bf16/fp16, both on NVMe, no max_in_cpu, ratio 1: [Note: compute-dtype shards in the optimizer
-    # file]) the trained ones are on the optimizer's filesystem.
-    fp32_files = existing = final = opt_bytes = 0
-    off_o = zero.offload_optimizer
-    tail = (store.tier is Tier.NVME and store.dtype != torch.float32 and off_o.tier is Tier.NVME
-            and zero.offload_param.max_in_cpu == 0 and off_o.ratio >= 1)
-    if store.tier is Tier.NVME:
-        compute = torch.empty((), dtype=store.dtype).element_size()
-        for k, p in params.items():
-            mp = managed(p)
-            if mp is None:
-                if k in trained or p.is_floating_point():
-                    fp32_files += 4 * part[k]  # adopted now, in fp32
-            elif mp.home is store.nvme and not mp.unwritten:
-                fp32_files += 4 * part[k]
-                existing += 4 * part[k]
-        # fp32 compute keeps the fp32 files (with alias mode they are removed once the optimizer file holds
-        # the shards: counting them is conservative).
-        final = sum(compute * part[k] for k in params if not (tail and k in trained)) if compute != 4 \
-            else fp32_files
-    if off_o.tier is Tier.NVME:
-        per = state_bytes(MOMENT_DTYPES[off_o.moments_dtype]) + (store.dtype.itemsize if tail else 0)
-        opt_bytes = per * sum(part[k] for k in trained)
-    need: dict = {}  # filesystem -> [a path on it, bytes for parameters, bytes for the optimizer]
-    from infinity.config.load import existing_ancestor  # an nvme_path is made when its swapper starts
-
-    p_dev = os.stat(existing_ancestor(zero.offload_param.nvme_path)).st_dev if fp32_files else None
-    o_dev = os.stat(existing_ancestor(zero.offload_optimizer.nvme_path)).st_dev if opt_bytes else None
-    if o_dev is not None:
-        need[o_dev] = [zero.offload_optimizer.nvme_path, 0, opt_bytes]
-    if p_dev is not None:
-        entry = need.setdefault(p_dev, [zero.offload_param.nvme_path, 0, 0])
-        together = entry[2]  # the optimizer's bytes, when it shares the filesystem
-        entry[1] = max(0, max(fp32_files, final + together) - together - existing)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host share its disks
-    for path, p_bytes, o_bytes in need.values():
-        p_bytes, o_bytes = p_bytes * local, o_bytes * local
-        free = shutil.disk_usage(existing_ancestor(path)).free
-        if free < p_bytes + o_bytes:
-            raise ConfigError("zero_optimization.offload_param.nvme_path" if p_bytes else
-                              "zero_optimization.offload_optimizer.nvme_path",
-                              f"{path} has {free:,} bytes free, but the swap files of this host's ranks need "
-                              f"{p_bytes + o_bytes:,} ({p_bytes:,} for parameters, {o_bytes:,} for the optimizer); "
-                              "free space there or point nvme_path at a bigger disk")
 
 
 _GROUP_KEYS = {"params", "lr", "weight_decay", "betas", "eps", "amsgrad", "initial_lr", "name"}

@@ -1,20 +1,20 @@
-"""Building the parameter store from a config: what zero_init and initialize share."""
+"""The parameter store from a config: built (zero_init and initialize share it), or taken from zero_init, and
+made ready for the model's shards once the swap files' room is checked on every rank."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
-from infinity.config import Config, load_config
+from infinity.config import Config, ConfigError
+from infinity.config.load import existing_ancestor
 from infinity.engine import lifetime
-from infinity.engine.comm import Comm
-from infinity.engine.params import ParamStore
+from infinity.engine.comm import Comm, together
+from infinity.engine.params import ParamStore, managed
+from infinity.swap.state import MOMENT_DTYPES, state_bytes
 from infinity.swap.tier import HOST, Tier
-
-
-def as_config(config) -> Config:
-    return config if isinstance(config, Config) else load_config(config if config is not None else {})
 
 
 def compute_dtype(cfg: Config) -> torch.dtype:
@@ -31,6 +31,22 @@ def compute_device() -> torch.device:
     return HOST
 
 
+def store_for(cfg: Config, comm: Comm, model: torch.nn.Module, *, trained: set, existing=None,
+              on_failure=None) -> ParamStore:
+    """The store the model's shards go to: `existing` (zero_init's) with the prefetch bucket the config now
+    resolves ("auto" may be the model's), or one built now with its pool fitted to the model. Every rank
+    then checks that its swap files have room (check_disk_room, for the parameters not yet in files and the
+    optimizer's state); when one has not, every rank calls on_failure(store) and raises ConfigError."""
+    if existing is None:
+        store = build_store(cfg, comm, largest_shard_numel=pool_shard_numel(cfg, model, comm.world))
+    else:
+        store = existing
+        store.set_prefetch_bucket(cfg.zero_optimization.stage3_prefetch_bucket_size)
+    together(comm, "the disk-room check", lambda: check_disk_room(cfg, store, model, trained, comm.world),
+             on_failure and (lambda: on_failure(store)), error=lambda message: ConfigError("", message))
+    return store
+
+
 def build_store(cfg: Config, comm: Comm, *, largest_shard_numel: int | None = None) -> ParamStore:
     """The parameter store; `largest_shard_numel`, when the model is known, sizes the NVMe pool's buffers (see
     [Note: the parameter pool fits the model])."""
@@ -38,10 +54,11 @@ def build_store(cfg: Config, comm: Comm, *, largest_shard_numel: int | None = No
 
     zero = cfg.zero_optimization
     tier = zero.offload_param.tier if zero.stage == 3 else Tier.DEVICE
+    dtype = compute_dtype(cfg)
     swap = SwapContext.for_params(cfg, rank=comm.rank, world=comm.world, largest_shard_numel=largest_shard_numel) \
         if tier is Tier.NVME else None
     persistence = zero.stage3_param_persistence_threshold if zero.stage == 3 else 1 << 62
-    store = ParamStore(comm, tier=tier, dtype=compute_dtype(cfg), device=compute_device(), persistence=persistence,
+    store = ParamStore(comm, tier=tier, dtype=dtype, device=compute_device(), persistence=persistence,
                        stage=zero.stage, swap=swap, max_in_cpu=zero.offload_param.max_in_cpu,
                        max_live=zero.stage3_max_live_parameters, prefetch_bucket=zero.stage3_prefetch_bucket_size,
                        reuse_distance=zero.stage3_max_reuse_distance)
@@ -60,11 +77,70 @@ def pool_shard_numel(cfg: Config, model: torch.nn.Module, world: int) -> int:
     (initialize without zero_init), a buffer is never made larger than the largest shard; a buffer_size below
     that shard keeps its meaning (and its error). Under zero_init the store comes before the model: `infinity
     train` and InfinityTrainer measure the model on the meta device and fit buffer_size before it (see [Note:
-    sizes fitted to the model] in sizing.py); a user's own zero_init block gets the config's buffer_size, which
+    sizes fitted to the model] in plan.py); a user's own zero_init block gets the config's buffer_size, which
     then costs address space, not memory: large buffers are mapped lazily (aligned_empty), so only the bytes the
     shards write become resident, and initialize shrinks the buffers to the largest shard ([Note: the parameter
     pool shrinks after setup] in params.py)."""
-    from infinity.engine.sizing import fit_param_buffer
+    from infinity.engine.plan import fit_param_buffer
 
     largest = max((math.ceil(p.numel() / world) for p in model.parameters()), default=1)
     return fit_param_buffer(cfg, largest).zero_optimization.offload_param.buffer_size
+
+
+def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None:
+    """Before initialize writes anything: do the nvme_path filesystems have room for this rank's swap files?
+    Raises ConfigError naming the path, the bytes needed (parameters and optimizer) and the bytes free."""
+    import shutil
+
+    zero = cfg.zero_optimization
+    params = {id(p): p for p in model.parameters()}
+    part = {k: math.ceil(p.numel() / world) for k, p in params.items()}
+    # [Note: swap files during setup] While the optimizer writes its first state, each sub-group's fp32
+    # parameter files (from zero_init, or adopted now) are removed as the group's compute-dtype copies are
+    # written (their own files; or, with the copies in the optimizer file's tail, as soon as the group has
+    # read them): the fp32 files and the copies never coexist beyond one sub-group. So a filesystem holding
+    # both needs the larger of "every fp32 file" and "every copy plus the optimizer state", less what the
+    # files already written under zero_init take now (free space excludes them). With the copies in the
+    # tail (bf16/fp16, both on NVMe, no max_in_cpu, ratio 1: [Note: compute-dtype shards in the optimizer
+    # file]) the trained ones are on the optimizer's filesystem.
+    fp32_files = existing = final = opt_bytes = 0
+    off_o = zero.offload_optimizer
+    tail = (store.tier is Tier.NVME and store.dtype != torch.float32 and off_o.tier is Tier.NVME
+            and zero.offload_param.max_in_cpu == 0 and off_o.ratio >= 1)
+    if store.tier is Tier.NVME:
+        compute = torch.empty((), dtype=store.dtype).element_size()
+        for k, p in params.items():
+            mp = managed(p)
+            if mp is None:
+                if k in trained or p.is_floating_point():
+                    fp32_files += 4 * part[k]  # adopted now, in fp32
+            elif mp.home is store.nvme and not mp.unwritten:
+                fp32_files += 4 * part[k]
+                existing += 4 * part[k]
+        # fp32 compute keeps the fp32 files (with alias mode they are removed once the optimizer file holds
+        # the shards: counting them is conservative).
+        final = sum(compute * part[k] for k in params if not (tail and k in trained)) if compute != 4 \
+            else fp32_files
+    if off_o.tier is Tier.NVME:
+        per = state_bytes(MOMENT_DTYPES[off_o.moments_dtype]) + (store.dtype.itemsize if tail else 0)
+        opt_bytes = per * sum(part[k] for k in trained)
+    need: dict = {}  # filesystem -> [a path on it, bytes for parameters, bytes for the optimizer]
+    # existing_ancestor: an nvme_path is made when its swapper starts
+    p_dev = os.stat(existing_ancestor(zero.offload_param.nvme_path)).st_dev if fp32_files else None
+    o_dev = os.stat(existing_ancestor(zero.offload_optimizer.nvme_path)).st_dev if opt_bytes else None
+    if o_dev is not None:
+        need[o_dev] = [zero.offload_optimizer.nvme_path, 0, opt_bytes]
+    if p_dev is not None:
+        entry = need.setdefault(p_dev, [zero.offload_param.nvme_path, 0, 0])
+        together = entry[2]  # the optimizer's bytes, when it shares the filesystem
+        entry[1] = max(0, max(fp32_files, final + together) - together - existing)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host share its disks
+    for path, p_bytes, o_bytes in need.values():
+        p_bytes, o_bytes = p_bytes * local, o_bytes * local
+        free = shutil.disk_usage(existing_ancestor(path)).free
+        if free < p_bytes + o_bytes:
+            raise ConfigError("zero_optimization.offload_param.nvme_path" if p_bytes else
+                              "zero_optimization.offload_optimizer.nvme_path",
+                              f"{path} has {free:,} bytes free, but the swap files of this host's ranks need "
+                              f"{p_bytes + o_bytes:,} ({p_bytes:,} for parameters, {o_bytes:,} for the optimizer); "
+                              "free space there or point nvme_path at a bigger disk")

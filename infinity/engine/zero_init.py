@@ -24,7 +24,8 @@ import threading
 
 import torch
 
-from infinity.engine.build import as_config, build_store
+from infinity.config.load import as_config
+from infinity.engine.build import build_store
 from infinity.engine.comm import init_distributed
 from infinity.engine.memory import CONSTRUCTION, mmap_threshold, set_mmap_threshold
 from infinity.engine.construct import PartitionedAccess

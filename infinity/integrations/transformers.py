@@ -43,7 +43,7 @@ from transformers import Trainer, TrainingArguments
 
 from infinity.config import ConfigError
 from infinity.config.tier import Tier
-from infinity.engine.sizing import fit_param_buffer
+from infinity.engine.plan import fit_param_buffer
 
 log = logging.getLogger("infinity")
 

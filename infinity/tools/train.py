@@ -293,7 +293,7 @@ def _sized_config(args, nvme: str, largest: int):
     """The swap config, with nvme_path set and the parameter pool's buffers fitted to the model's largest
     parameter before zero_init builds the store (the optimizer's sizes are fitted at initialize)."""
     from infinity.config import load_config
-    from infinity.engine.sizing import fit_param_buffer
+    from infinity.engine.plan import fit_param_buffer
 
     return fit_param_buffer(load_config(args.config, nvme_path=nvme), largest)
 

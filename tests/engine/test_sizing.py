@@ -1,5 +1,5 @@
 """The NVMe optimizer's sizes fitted to the model when the config leaves them out ([Note: sizes fitted to the
-model] in infinity/engine/sizing.py), on a nanoGPT-shaped model whose tied embedding is the largest tensor, as
+model] in infinity/engine/plan.py), on a nanoGPT-shaped model whose tied embedding is the largest tensor, as
 in GPT-2: sub_group_size becomes the largest trained shard, buffer_count is capped at the sub-group count, a
 written value stands (and is said when it makes the pool larger than the state), and LoRA-sized training
 fits the adapters, not the frozen base."""
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from infinity.config import load_config
 from infinity.engine import initialize
-from infinity.engine.sizing import FLOOR
+from infinity.engine.plan import FLOOR
 
 VOCAB, DIM = 4608, 256  # the embedding, 1,179,648 elements, is above the sizing floor of 1,048,576
 

@@ -66,8 +66,8 @@ import math
 from dataclasses import dataclass
 
 from infinity.engine.plan import SPLIT_ALIGN
-from infinity.engine.sizing import FLOOR as SPLIT_FLOOR
-from infinity.engine.sizing import TARGET as SPLIT_TARGET
+from infinity.engine.plan import FLOOR as SPLIT_FLOOR
+from infinity.engine.plan import TARGET as SPLIT_TARGET
 from infinity.errors import NoPlacement  # noqa: F401 - raised here, defined there
 from infinity.tools.plan.measure import Rates
 from infinity.tools.plan.shape import ModelShape
@@ -338,11 +338,11 @@ def predict(shape: ModelShape, rates: Rates, cfg, base: dict, *, world: int = 1,
     """[Note: predicting a config's run]
     `infinity plan` without --memory-budget: the peak memory and step time of the run a config gives as it is
     (`cfg` loaded, `base` its JSON), with the sizes the engine fits where the config writes none ([Note: sizes
-    fitted to the model] in engine/sizing.py), through the same terms as a plan. So a user can ask what a
+    fitted to the model] in engine/plan.py), through the same terms as a plan. So a user can ask what a
     DeepSpeed config will cost here before running it, and `bench/defaults.py` holds the model to the shipped
     configs' runs. Placements the model does not cover (part of the optimizer kept on the device, shards kept
     in RAM from an NVMe tier) are refused by name rather than predicted as something else."""
-    from infinity.engine.sizing import BUFFERS, PARAM_BUFFER, SUB_GROUP, written
+    from infinity.engine.plan import BUFFERS, PARAM_BUFFER, SUB_GROUP, written
 
     zero = cfg.zero_optimization
     precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
@@ -431,7 +431,7 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
     # Both on NVMe the shards live in the optimizer's files, and with the optimizer alone on NVMe in RAM: either
     # way a larger one is split over sub-groups of its own ([Note: a large shard is split over sub-groups of its
     # own] in engine/optimizer.py), so a sub-group need not hold the largest shard, only as much as still reads
-    # at the disk's rate (engine/sizing.py's FLOOR).
+    # at the disk's rate (engine/plan.py's FLOOR).
     split = pools in ("both", "opt")
     need = max(1, min(largest_shard, SPLIT_FLOOR) if split else largest_shard)
     min_opt = int((min(OPT_BUFFERS) * sb + grads) * need)
