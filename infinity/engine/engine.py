@@ -107,7 +107,12 @@ class Engine(ModuleSurface, DeepSpeedSurface):
 
         DeepSpeed's keywords: retain_graph keeps the graph; allreduce_gradients=False is refused (gradients
         go to their owner ranks as they are produced; that cannot be deferred); release_loss is accepted
-        (the loss is not kept). Returns the loss, as DeepSpeed's does."""
+        (the loss is not kept). Returns the loss, as DeepSpeed's does.
+
+        A backward that raises part-way leaves, as torch's does, the gradients it had already accumulated:
+        call zero_grad() before the next backward to drop them. What it had not yet sent to the ranks that
+        own it (the open gradient bucket, a reduce-scatter in flight) is dropped, so the next backward
+        carries nothing of it."""
         self._check_open()
         if loss.numel() != 1:
             raise ValueError(f"Engine.backward: loss must be a scalar, got shape {tuple(loss.shape)}")
@@ -134,6 +139,7 @@ class Engine(ModuleSurface, DeepSpeedSurface):
         except BaseException:
             if not overlap:
                 self.optimizer.expect_step(False)  # the reads read_ahead_for_step started go back
+            self.optimizer.backward_failed()
             raise
         finally:
             if overlap:

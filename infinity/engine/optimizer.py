@@ -106,6 +106,7 @@ in the sub-groups, not in `state`.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -121,6 +122,8 @@ from infinity.swap.pipeline import Mode, StatePipeline
 from infinity.swap.state import DeviceState, GroupState, HostState, NvmeState, state_bytes
 from infinity.swap.telemetry import StepStats
 from infinity.swap.tier import HOST, Tier
+
+log = logging.getLogger("infinity")
 
 
 class _Group:
@@ -388,6 +391,15 @@ class ShardedAdam(torch.optim.Optimizer):
             if g.grad is None:  # no parameter of the group had a gradient
                 self._new_grad(g)
         return [g.grad for g in self.groups]
+
+    def backward_failed(self) -> None:
+        """A backward raised part-way: what it had not yet landed (the open bucket, a reduce-scatter in
+        flight) is dropped, or the next backward would send it with its own. A collective that cannot finish
+        (a rank died) must not hide the error that ended backward: it is logged, and that error goes on."""
+        try:
+            self.buckets.discard()
+        except Exception as exc:  # noqa: BLE001 - the backward's own error is the one raised
+            log.warning("infinity: after the failed backward, its reduce-scatter in flight failed too: %s", exc)
 
     def forget_gradients(self) -> None:
         """Drop every gradient accumulated so far (they belong to a state that a checkpoint load replaced),

@@ -156,3 +156,84 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_a_config_error(tmp_path):
     assert theirs == {"error": "ConfigError",
                       "message": "the disk-room check failed on another rank (its own error says why)"}, theirs
     assert not [f for f in swap.rglob("*") if f.is_file()], "nothing was written on either rank"
+
+
+
+def _failed_backward_rank(rank: int, world: int, port: int, out: str, bucket: int, fail: bool):
+    import json
+
+    import torch
+
+    from infinity.engine import initialize
+    from infinity.testing.parity import gloo_rank
+
+    class Tripwire(torch.nn.Module):
+        """Passes its input through; armed, the gradient reaching it raises, as an OOM in backward would."""
+
+        armed = False
+
+        def forward(self, x):
+            if Tripwire.armed and x.requires_grad:
+                def trip(grad):
+                    Tripwire.armed = False
+                    raise RuntimeError("tripwire")
+
+                x = x.view_as(x)
+                x.register_hook(trip)
+            return x
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), Tripwire(), torch.nn.Linear(32, 32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "infinity": {"comm_timeout_s": 60},
+           "zero_optimization": {"stage": 3, "reduce_bucket_size": bucket,
+                                 "stage3_param_persistence_threshold": 0}}
+    gen = torch.Generator().manual_seed(100 + rank)
+    xs = [torch.randn(4, 16, generator=gen) for _ in range(3)]
+    with gloo_rank(rank, world, port):
+        e = initialize(model, cfg)
+        for k, x in enumerate(xs):
+            if k == 1:  # the batch whose backward fails (or, in the reference run, is never seen)
+                if not fail:
+                    continue
+                Tripwire.armed = True
+                loss = e(x).pow(2).mean()
+                try:
+                    e.backward(loss)
+                except RuntimeError as exc:
+                    assert "tripwire" in str(exc), exc
+                else:
+                    raise AssertionError("the tripwire did not fire")
+                e.zero_grad()
+                continue
+            loss = e(x).pow(2).mean()
+            e.backward(loss)
+            e.step()
+        import infinity
+
+        with infinity.gathered_parameters(e.module):
+            weights = {k: v.tolist() for k, v in e.module.state_dict().items()}
+        e.close()
+    with open(f"{out}/rank{rank}-{fail}.json", "w") as f:
+        json.dump(weights, f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket", [5000, 1200], ids=["stale-open-bucket", "stale-reduce-scatter-in-flight"])
+def test_a_backward_that_fails_part_way_sends_nothing_with_the_next_one(tmp_path, bucket):
+    """A backward raises after its last layers' gradients were bucketed (bucket 5000: still in the open bucket;
+    1200: sent, the reduce-scatter in flight); the user zeroes the gradients and goes on, as with torch. The
+    next step must be the one a run without that batch takes, bit for bit, on both ranks: before the fix the
+    failed backward's gradients went out with the next backward's."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from infinity.testing.parity import free_port
+
+    for fail in (True, False):
+        mp.spawn(_failed_backward_rank, args=(2, free_port(), str(tmp_path), bucket, fail), nprocs=2, join=True)
+    runs = {(r, f): json.loads((tmp_path / f"rank{r}-{f}.json").read_text()) for r in (0, 1) for f in (True, False)}
+    assert runs[(0, True)] == runs[(1, True)], "the ranks agree"
+    assert runs[(0, True)] == runs[(0, False)], "the failed backward left nothing in the next step"
