@@ -32,16 +32,21 @@ def batch(step: int, size: int = 4, model: GPTConfig = MODEL):
     return seq[:, :-1], seq[:, 1:]
 
 
-def engine_config(tier: str = "none", nvme_path: str | None = None, **over) -> dict:
-    """A stage-3 config with every parameter partitioned (persistence 0) and small buffers."""
+def engine_config(tier: str = "none", nvme_path=None, *, largest: int | None = None, **over) -> dict:
+    """A stage-3 config with every parameter partitioned (persistence 0) and small buffers. `largest`: the
+    model's largest parameter, in elements; the NVMe parameter pool's buffers hold it and the prefetch bucket
+    two of it. `over`: dotted keys ("zero_optimization.sub_group_size") set last."""
     cfg = {"train_micro_batch_size_per_gpu": 4,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 40_000,
                                  "stage3_prefetch_bucket_size": 60_000, "stage3_max_reuse_distance": 20_000,
                                  "offload_param": {"device": tier}, "offload_optimizer": {"device": tier}}}
     if tier == "nvme":
-        cfg["zero_optimization"]["offload_param"].update(nvme_path=nvme_path, buffer_count=4, buffer_size=20_000)
-        cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=3)
+        cfg["zero_optimization"]["offload_param"].update(nvme_path=str(nvme_path), buffer_count=4,
+                                                          buffer_size=largest or 20_000)
+        cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=str(nvme_path), buffer_count=3)
+    if largest is not None:
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 2 * largest
     for key, value in over.items():
         node = cfg
         *path, last = key.split(".")

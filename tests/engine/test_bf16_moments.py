@@ -19,9 +19,6 @@ STEPS = 5
 BF16 = {"zero_optimization.offload_optimizer.moments_dtype": "bf16"}
 
 
-def _cfg(tier, path, **over):
-    return engine_config(tier, str(path), **BF16, **over)
-
 
 @pytest.fixture(scope="module")
 def fp32_losses():
@@ -31,7 +28,8 @@ def fp32_losses():
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_every_tier_trains_the_same_and_close_to_fp32_moments(disk_dir, fp32_losses, rounding):
     over = {"zero_optimization.offload_optimizer.moments_rounding": rounding}
-    runs = {tier: engine_losses(_cfg(tier, disk_dir, **over), STEPS) for tier in ("none", "cpu", "nvme")}
+    runs = {tier: engine_losses(engine_config(tier, disk_dir, **BF16, **over), STEPS)
+            for tier in ("none", "cpu", "nvme")}
     assert runs["none"] == runs["cpu"] == runs["nvme"]  # one kernel, one random stream per (step, group)
     assert runs["cpu"] != fp32_losses  # the moments really are stored in bf16
     assert all(abs(a - b) < 1e-3 * abs(b) for a, b in zip(runs["cpu"], fp32_losses))
@@ -40,7 +38,7 @@ def test_every_tier_trains_the_same_and_close_to_fp32_moments(disk_dir, fp32_los
 
 def test_nvme_moves_8_bytes_per_parameter_each_way(disk_dir):
     reports = []
-    e = gpt_engine(_cfg("nvme", disk_dir))
+    e = gpt_engine(engine_config("nvme", disk_dir, **BF16))
     try:
         for s in range(3):
             train_step(e, s)
@@ -60,16 +58,16 @@ def test_nvme_moves_8_bytes_per_parameter_each_way(disk_dir):
 def test_the_accelerator_path_rounds_with_the_kernels_bits(disk_dir, monkeypatch):
     """DeviceState on an accelerator steps in torch ops and rounds with the ported hash; run here on the host,
     it tracks the CPU kernel within fp32 noise."""
-    cpu = engine_losses(_cfg("cpu", disk_dir), STEPS)
+    cpu = engine_losses(engine_config("cpu", disk_dir, **BF16), STEPS)
     monkeypatch.setattr(DeviceState, "_on_host", lambda self: False)
-    dev = engine_losses(_cfg("none", disk_dir), STEPS)
+    dev = engine_losses(engine_config("none", disk_dir, **BF16), STEPS)
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(dev, cpu))
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_checkpoints_record_the_dtype_and_convert_across_it(disk_dir, tier):
     ck = str(disk_dir / "ck")
-    e = gpt_engine(_cfg(tier, disk_dir))
+    e = gpt_engine(engine_config(tier, disk_dir, **BF16))
     try:
         for s in range(2):
             train_step(e, s)
@@ -84,7 +82,7 @@ def test_checkpoints_record_the_dtype_and_convert_across_it(disk_dir, tier):
     assert arr["data_type"] == "uint16" and arr["attributes"]["dtype"] == "bfloat16"
 
     # The same dtype: exactly where it left off, and nothing said.
-    e = gpt_engine(_cfg(tier, disk_dir))
+    e = gpt_engine(engine_config(tier, disk_dir, **BF16))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -119,7 +117,7 @@ def test_fp32_checkpoint_into_bf16_moments_is_rounded_and_said(disk_dir):
     finally:
         e.close()
     assert info(ck)["moments_dtype"] == "float32"
-    e = gpt_engine(_cfg("cpu", disk_dir))
+    e = gpt_engine(engine_config("cpu", disk_dir, **BF16))
     try:
         with pytest.warns(UserWarning, match=r"holds Adam moments in float32, this engine keeps them in bfloat16 "
                                              r".*converted \(rounded to nearest even\)"):

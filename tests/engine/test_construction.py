@@ -209,12 +209,6 @@ def image_batch(step):
 # --------------------------------------------------------------------------------- harness
 
 
-def cfg_for(tier, disk_dir, largest=40_000):
-    return engine_config(tier, str(disk_dir), **{
-        "zero_optimization.offload_param.buffer_size": largest,
-        "zero_optimization.stage3_prefetch_bucket_size": 2 * largest})
-
-
 def assert_same_values(plain, model):
     with gathered_parameters(model):
         for (name, p), (_, q) in zip(plain.named_parameters(), model.named_parameters()):
@@ -245,7 +239,7 @@ def assert_close(want, got):
 def run_parity(build, batches, tier, disk_dir, *, largest=40_000, groups=None):
     torch.manual_seed(0)
     plain = build()
-    cfg = cfg_for(tier, disk_dir, largest)
+    cfg = engine_config(tier, disk_dir, largest=largest)
     torch.manual_seed(0)
     with zero_init(cfg):
         model = build()
@@ -283,7 +277,7 @@ def test_two_parameter_groups_with_their_own_weight_decay_and_lr(tier, disk_dir)
 
 
 def test_parameters_left_out_of_model_parameters_are_not_trained(disk_dir):
-    cfg = cfg_for("nvme", disk_dir)
+    cfg = engine_config("nvme", disk_dir, largest=40_000)
     torch.manual_seed(0)
     with zero_init(cfg):
         model = NanoGPT()
@@ -304,7 +298,7 @@ def test_parameters_left_out_of_model_parameters_are_not_trained(disk_dir):
 
 
 def test_an_lr_scheduler_drives_every_parameter_group(disk_dir):
-    cfg = cfg_for("cpu", disk_dir)
+    cfg = engine_config("cpu", disk_dir, largest=40_000)
     torch.manual_seed(0)
     with zero_init(cfg):
         model = NanoGPT()
@@ -322,7 +316,7 @@ def test_an_lr_scheduler_drives_every_parameter_group(disk_dir):
 
 
 def test_bad_parameter_groups_are_refused_with_the_reason(disk_dir):
-    cfg = cfg_for("none", disk_dir)
+    cfg = engine_config("none", disk_dir, largest=40_000)
     model = NanoGPT()
     p = next(model.parameters())
     with pytest.raises(ValueError, match=r"parameter group 0 has keys \['momentum'\] that Adam does not take"):
@@ -339,7 +333,7 @@ def test_bad_parameter_groups_are_refused_with_the_reason(disk_dir):
 @pytest.mark.parametrize("tier", TIERS)
 def test_every_tier_keeps_a_write_after_zero_init_or_raises(tier, disk_dir):
     """Writes after the zero_init block (before initialize) land; after initialize they raise."""
-    cfg = cfg_for(tier, disk_dir)
+    cfg = engine_config(tier, disk_dir, largest=40_000)
     torch.manual_seed(0)
     with zero_init(cfg):
         model = NanoGPT()
@@ -368,7 +362,7 @@ def test_every_tier_keeps_a_write_after_zero_init_or_raises(tier, disk_dir):
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_a_data_assignment_after_initialize_raises(tier, disk_dir):
-    cfg = cfg_for(tier, disk_dir)
+    cfg = engine_config(tier, disk_dir, largest=40_000)
     with zero_init(cfg):
         model = NanoGPT()
     engine = initialize(model, cfg)
@@ -384,7 +378,7 @@ def test_a_data_assignment_after_initialize_raises(tier, disk_dir):
 
 
 def test_a_placeholder_read_after_initialize_is_nan(disk_dir):
-    cfg = cfg_for("none", disk_dir)
+    cfg = engine_config("none", disk_dir, largest=40_000)
     with zero_init(cfg):
         model = NanoGPT()
     engine = initialize(model, cfg)
@@ -395,7 +389,7 @@ def test_a_placeholder_read_after_initialize_is_nan(disk_dir):
 
 
 def test_reads_between_zero_init_and_initialize_see_the_real_values(disk_dir):
-    cfg = cfg_for("nvme", disk_dir)
+    cfg = engine_config("nvme", disk_dir, largest=40_000)
     torch.manual_seed(0)
     plain = NanoGPT()
     torch.manual_seed(0)
@@ -408,7 +402,7 @@ def test_reads_between_zero_init_and_initialize_see_the_real_values(disk_dir):
 
 
 def test_a_shape_changing_assignment_names_the_parameter(disk_dir):
-    cfg = cfg_for("none", disk_dir)
+    cfg = engine_config("none", disk_dir, largest=40_000)
     with zero_init(cfg):
         model = NanoGPT()
     model.transformer.h[0].mlp.c_fc.weight.data = torch.zeros(3, 3)
@@ -419,7 +413,7 @@ def test_a_shape_changing_assignment_names_the_parameter(disk_dir):
 
 def test_meta_device_construction_is_refused_with_the_fix(disk_dir):
     with pytest.raises(ValueError, match=r"is on the meta device.*build the model without torch.device\('meta'\)"):
-        with zero_init(cfg_for("none", disk_dir)):
+        with zero_init(engine_config("none", disk_dir, largest=40_000)):
             with torch.device("meta"):
                 nn.Linear(4, 4)
 
@@ -427,7 +421,7 @@ def test_meta_device_construction_is_refused_with_the_fix(disk_dir):
 def test_a_whole_model_conversion_before_initialize_stays_bounded(disk_dir):
     """model.double() assigns every converted parameter to .data (Module._apply): each is re-partitioned at the
     next op, so at most two full parameters exist; the values keep the conversion's rounding."""
-    cfg = cfg_for("nvme", disk_dir)
+    cfg = engine_config("nvme", disk_dir, largest=40_000)
     torch.manual_seed(0)
     plain = NanoGPT().double().float()
     torch.manual_seed(0)
@@ -455,7 +449,7 @@ def test_two_models_built_then_initialized_in_either_order_leave_no_mode_behind(
 
     from infinity.engine.construct import PartitionedAccess
 
-    cfg = cfg_for("cpu", disk_dir)
+    cfg = engine_config("cpu", disk_dir, largest=40_000)
     with zero_init(cfg) as policy_store:
         policy = NanoGPT()
     with zero_init(cfg) as reference_store:

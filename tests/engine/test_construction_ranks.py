@@ -3,14 +3,12 @@ rank its shard of the plain build's values, and training matches plain torch on 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from infinity.engine import gathered_parameters, initialize, zero_init
-from infinity.testing.parity import free_port, gloo_rank
-from tests.engine.test_construction import STEPS, NanoGPT, ParentInit, assert_close, cfg_for, lm_batch, plain_losses, \
+from infinity.testing.parity import engine_config, free_port, gloo_rank
+from tests.engine.test_construction import STEPS, NanoGPT, ParentInit, assert_close, lm_batch, plain_losses, \
     two_groups
 
 
@@ -31,7 +29,7 @@ def _train_my_half(engine, steps):
 
 def _rank_main(rank, world, port, kind, tier, disk, out_path, hf_dir):
     with gloo_rank(rank, world, port):
-        cfg = cfg_for(tier, disk)  # the swap files carry the rank in their names
+        cfg = engine_config(tier, disk, largest=40_000)  # the swap files carry the rank in their names
         if kind == "pretrained":
             import transformers  # noqa: F401 - as a user's script does, before zero_init
         torch.manual_seed(0)
@@ -88,7 +86,7 @@ def test_two_ranks_build_the_plain_values_and_train_like_torch(kind, tier, disk_
     want = plain_losses(plain, lm_batch, two_groups(plain) if kind == "nanogpt" else None)
     assert_close(want, got["losses"])
     # Resharded 2 -> 1: the same weights, and every parameter group's lr.
-    cfg = cfg_for(tier, str(disk_dir))
+    cfg = engine_config(tier, str(disk_dir), largest=40_000)
     with zero_init(cfg):
         model = {"nanogpt": NanoGPT, "parent": ParentInit}[kind]()
     engine = initialize(model, cfg, model_parameters=two_groups(model) if kind == "nanogpt" else None)

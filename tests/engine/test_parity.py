@@ -23,14 +23,11 @@ def rel_err(a, b):
     return max(abs(x - y) / abs(x) for x, y in zip(a, b))
 
 
-def tier_config(tier, tmp_path, **over):
-    return engine_config(tier, str(tmp_path) if tier == "nvme" else None, **over)
-
 
 @pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
 def test_fp32_stage3_matches_torch_adamw_over_20_steps(reference, tier, disk_dir):
     reports = []
-    got = engine_losses(tier_config(tier, disk_dir), STEPS, reports=reports)
+    got = engine_losses(engine_config(tier, disk_dir), STEPS, reports=reports)
     assert rel_err(reference, got) <= 1e-5
     assert got[-1] < got[0] - 0.1, "the loss must fall"
     assert not any(r.skipped for r in reports)
@@ -39,7 +36,7 @@ def test_fp32_stage3_matches_torch_adamw_over_20_steps(reference, tier, disk_dir
 def test_prefetch_hits_after_the_first_step(disk_dir):
     # (That the loss falls is asserted over 20 steps above; 6 steps at this lr are within the batch noise.)
     reports = []
-    engine_losses(tier_config("nvme", disk_dir), 6, reports=reports)
+    engine_losses(engine_config("nvme", disk_dir), 6, reports=reports)
     assert reports[0].param_fetches > 0
     for r in reports[1:]:
         assert r.prefetch_hit_rate >= 0.95, (r.prefetch_hits, r.param_fetches)
@@ -70,7 +67,7 @@ def test_clipping_uses_the_global_norm_like_torch():
 def test_activation_checkpointing_on_nvme(reference, disk_dir):
     ck = GPTConfig(vocab=MODEL.vocab, seq=MODEL.seq, layers=MODEL.layers, dim=MODEL.dim, heads=MODEL.heads,
                    checkpoint=True)
-    assert rel_err(reference[:8], engine_losses(tier_config("nvme", disk_dir), 8, model=ck)) <= 1e-5
+    assert rel_err(reference[:8], engine_losses(engine_config("nvme", disk_dir), 8, model=ck)) <= 1e-5
 
 
 # bf16 rounds every weight and activation to 8 bits of mantissa, fp16 to 11: over 20 steps of this model they
@@ -102,7 +99,7 @@ def test_zero_init_gives_exactly_the_values_of_a_normal_build(tmp_path, disk_dir
     plain = GPT(MODEL)
     for tier in ("cpu", "nvme"):
         torch.manual_seed(3)
-        with zero_init(tier_config(tier, disk_dir)) as store:
+        with zero_init(engine_config(tier, disk_dir)) as store:
             built = GPT(MODEL)
             params = dict(built.named_parameters())
             assert all(p.data.untyped_storage().nbytes() <= 4 for p in params.values()), "all released"
@@ -113,7 +110,7 @@ def test_zero_init_gives_exactly_the_values_of_a_normal_build(tmp_path, disk_dir
 
 
 def test_gathered_parameters_modifier_is_kept_before_initialize(disk_dir):
-    with zero_init(tier_config("nvme", disk_dir)) as store:
+    with zero_init(engine_config("nvme", disk_dir)) as store:
         model = GPT(MODEL)
         with gathered_parameters(model.blocks[0].fc.weight, modifier_rank=0):
             model.blocks[0].fc.weight.data.fill_(0.5)
@@ -183,7 +180,7 @@ def test_two_gloo_ranks_match_one_rank(reference, tmp_path):
 
 @pytest.mark.slow
 def test_two_gloo_ranks_on_nvme_match_one_rank(reference, disk_dir, tmp_path):
-    got = spawn_losses(2, tier_config("nvme", disk_dir), 6, str(tmp_path / "losses.json"))
+    got = spawn_losses(2, engine_config("nvme", disk_dir), 6, str(tmp_path / "losses.json"))
     assert rel_err(reference[:6], got) <= 1e-5
 
 
@@ -193,7 +190,7 @@ def test_nvme_moves_28_bytes_per_parameter_and_detects_a_flipped_byte(disk_dir, 
 
     torch.manual_seed(0)
     # Room to read every sub-group's state ahead (3 groups; one buffer stays free for the critical path).
-    cfg = tier_config("nvme", disk_dir, **{"zero_optimization.offload_optimizer.buffer_count": 6,
+    cfg = engine_config("nvme", disk_dir, **{"zero_optimization.offload_optimizer.buffer_count": 6,
                                            "bf16.enabled": precision == "bf16"})
     engine = gpt_engine(cfg)
     model = engine.module
@@ -245,7 +242,7 @@ def test_shard_checksums_are_taken_on_the_write_reaper(disk_dir, monkeypatch, pr
     import infinity.swap.swapper as swapper_module
 
     torch.manual_seed(0)
-    cfg = tier_config("nvme", disk_dir, **{"bf16.enabled": precision == "bf16"})
+    cfg = engine_config("nvme", disk_dir, **{"bf16.enabled": precision == "bf16"})
     engine = gpt_engine(cfg)
     e = 4 if precision == "fp32" else 2
 
@@ -299,7 +296,7 @@ def test_a_shard_whose_group_write_never_ran_is_refused_not_read_stale(disk_dir)
     # on), the next read of a shard must fail loudly rather than hand back the previous step's weights.
 
     torch.manual_seed(0)
-    engine = gpt_engine(tier_config("nvme", disk_dir))
+    engine = gpt_engine(engine_config("nvme", disk_dir))
     try:
         train_step(engine, 0)
         opt = engine.optimizer
@@ -326,7 +323,7 @@ def test_low_precision_on_nvme_is_bit_identical_to_ram(disk_dir, over, kw):
     # skips the step, tail included.
     reports = []
     ram = engine_losses(engine_config("cpu", **over), 8, **kw)
-    assert engine_losses(tier_config("nvme", disk_dir, **over), 8, reports=reports, **kw) == ram
+    assert engine_losses(engine_config("nvme", disk_dir, **over), 8, reports=reports, **kw) == ram
     assert [i for i, r in enumerate(reports) if r.skipped] == ([kw["overflow_at"]] if "overflow_at" in kw else [])
 
 
@@ -348,11 +345,11 @@ def test_shards_lent_from_the_optimizer_state_change_no_bit(disk_dir, monkeypatc
     With clipping the step runs after backward, and the states it takes first are read during backward
     (read_ahead_for_step), so backward lends from those."""
     reports = []
-    got = engine_losses(tier_config("nvme", disk_dir, **over), 5, reports=reports)
+    got = engine_losses(engine_config("nvme", disk_dir, **over), 5, reports=reports)
     with monkeypatch.context() as m:
         _without_lending(m)
         plain = []
-        assert engine_losses(tier_config("nvme", disk_dir, **over), 5, reports=plain) == got
+        assert engine_losses(engine_config("nvme", disk_dir, **over), 5, reports=plain) == got
     assert sum(r.param_lent for r in plain) == 0
     if lends:
         assert sum(r.param_lent for r in reports) > 0
@@ -363,7 +360,7 @@ def test_shards_lent_from_the_optimizer_state_change_no_bit(disk_dir, monkeypatc
 
 def test_bf16_nvme_reads_each_shard_only_in_forward(disk_dir):
     reports = []
-    engine_losses(tier_config("nvme", disk_dir, **{"bf16.enabled": True,
+    engine_losses(engine_config("nvme", disk_dir, **{"bf16.enabled": True,
                                                    "zero_optimization.offload_optimizer.buffer_count": 6}),
                   3, reports=reports)
     model = GPT(MODEL)
@@ -381,7 +378,7 @@ def test_bf16_nvme_reads_each_shard_only_in_forward(disk_dir):
 def test_optimizer_in_ram_serves_every_nvme_shard_read(disk_dir):
     """offload_param nvme with offload_optimizer cpu: the master weights in RAM are the shards' source."""
     reports = []
-    cfg = tier_config("nvme", disk_dir, **{"zero_optimization.offload_optimizer": {"device": "cpu"}})
+    cfg = engine_config("nvme", disk_dir, **{"zero_optimization.offload_optimizer": {"device": "cpu"}})
     got = engine_losses(cfg, 4, reports=reports)
     assert all(r.param_read_bytes == 0 and r.param_lent > 0 for r in reports)
     assert got == engine_losses(engine_config("cpu"), 4)
@@ -395,7 +392,7 @@ def test_a_forward_without_its_backward_gives_back_the_reads_it_started(disk_dir
 
     def run(extra_forward: bool):
         torch.manual_seed(0)
-        cfg = tier_config("nvme", disk_dir, **{"zero_optimization.offload_optimizer.buffer_count": 6})
+        cfg = engine_config("nvme", disk_dir, **{"zero_optimization.offload_optimizer.buffer_count": 6})
         with zero_init(cfg):
             model = GPT(MODEL)
         engine = initialize(model, cfg)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from infinity.engine import gathered_parameters, initialize, zero_init
-from tests.engine.test_construction import TIERS, assert_close, assert_same_values, cfg_for, engine_losses, \
+from infinity.testing.parity import engine_config
+from tests.engine.test_construction import TIERS, assert_close, assert_same_values, engine_losses, \
     plain_losses
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (make deps installs it)")
@@ -62,7 +63,7 @@ def test_from_pretrained_under_zero_init_matches_plain_from_pretrained(kind, tie
     if "sharded" in kind:
         assert any(f.endswith(".index.json") for f in files), files
     plain = transformers.AutoModelForCausalLM.from_pretrained(path)
-    cfg = cfg_for(tier, disk_dir, largest=256 * 64)
+    cfg = engine_config(tier, disk_dir, largest=256 * 64)
     with zero_init(cfg):
         model = transformers.AutoModelForCausalLM.from_pretrained(path)
     assert_same_values(plain, model)
@@ -81,7 +82,7 @@ def test_missing_weights_are_initialised_as_plain_from_pretrained_does(tmp_path,
     plain, info = transformers.GPT2ForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=3,
                                                                              output_loading_info=True)
     torch.manual_seed(5)
-    with zero_init(cfg_for("nvme", disk_dir, largest=256 * 64)):
+    with zero_init(engine_config("nvme", disk_dir, largest=256 * 64)):
         model, mine = transformers.GPT2ForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=3,
                                                                                  output_loading_info=True)
     assert mine["missing_keys"] == ["score.weight"] == list(info["missing_keys"])
@@ -91,7 +92,7 @@ def test_missing_weights_are_initialised_as_plain_from_pretrained_does(tmp_path,
 def test_from_pretrained_errors_name_the_problem(tmp_path, disk_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = saved(tmp_path, llama_config())
-    with zero_init(cfg_for("none", disk_dir)):
+    with zero_init(engine_config("none", disk_dir, largest=40_000)):
         with pytest.raises(OSError, match=r"reads a local directory, and 'org/not-here' is not one; download it first"):
             transformers.LlamaForCausalLM.from_pretrained("org/not-here")
         with pytest.raises(ValueError, match=r"\['device_map'\] are not supported"):
@@ -120,7 +121,7 @@ def lora(model):
 def test_peft_lora_on_a_partitioned_from_pretrained_model(tier, tmp_path, disk_dir):
     path = saved(tmp_path, llama_config())
     plain = lora(transformers.AutoModelForCausalLM.from_pretrained(path))
-    cfg = cfg_for(tier, disk_dir, largest=256 * 64)
+    cfg = engine_config(tier, disk_dir, largest=256 * 64)
     with zero_init(cfg):
         base = transformers.AutoModelForCausalLM.from_pretrained(path)
     model = lora(base)
@@ -158,7 +159,7 @@ def test_a_lora_checkpoint_resumes_exactly_on_nvme(tmp_path, disk_dir):
     """The checkpoint holds the adapters' state and the frozen base weights: it resumes exactly into a model
     built at random (not from the pretrained weights)."""
     path = saved(tmp_path, llama_config())
-    cfg = cfg_for("nvme", disk_dir, largest=256 * 64)
+    cfg = engine_config("nvme", disk_dir, largest=256 * 64)
 
     def build(pretrained=True):
         torch.manual_seed(11)
@@ -198,7 +199,7 @@ def test_export_hf_gives_from_pretrained_the_trained_weights(tmp_path, disk_dir)
 
     path = saved(tmp_path, gpt2_config())  # a tied head: exported once, tied again by from_pretrained
     make_tokenizer(str(path))  # the tokenizer beside the weights: the export copies it
-    cfg = cfg_for("nvme", disk_dir, largest=256 * 64)
+    cfg = engine_config("nvme", disk_dir, largest=256 * 64)
     with zero_init(cfg):
         model = transformers.AutoModelForCausalLM.from_pretrained(path)
     engine = initialize(model, cfg)
@@ -228,7 +229,7 @@ def test_export_hf_of_a_non_hf_checkpoint_says_what_to_do(tmp_path, disk_dir):
     from infinity.checkpoint.export import export_hf
     from infinity.checkpoint.layout import CheckpointError
 
-    cfg = cfg_for("none", disk_dir)
+    cfg = engine_config("none", disk_dir, largest=40_000)
     engine = initialize(torch.nn.Linear(4, 4), cfg)
     try:
         engine.save_checkpoint(tmp_path / "ckpt")

@@ -25,11 +25,6 @@ def model_dir(tmp_path_factory):
     return make_model_dir(str(tmp_path_factory.mktemp("m") / "llama"), "llama")
 
 
-def cfg_for(tier, disk_dir, **over):
-    return engine_config(tier, str(disk_dir), **{"zero_optimization.offload_param.buffer_size": 40000,
-                                                  "zero_optimization.stage3_prefetch_bucket_size": 80000, **over})
-
-
 def lora(model, r=32):
     torch.manual_seed(7)
     return peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"],
@@ -70,7 +65,7 @@ ROUTES = {
 @pytest.mark.parametrize("route", list(ROUTES))
 @pytest.mark.parametrize("tier", TIERS)
 def test_every_save_route_gives_true_values_or_names_save_pretrained(route, tier, model_dir, tmp_path, disk_dir):
-    cfg = cfg_for(tier, disk_dir)
+    cfg = engine_config(tier, disk_dir, largest=40_000)
     with zero_init(cfg):
         base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     model = lora(base) if "peft" in route else base
@@ -93,7 +88,7 @@ def test_lora_bf16_r32_partitioned_adapters_train_and_round_trip(tier, model_dir
     """The placeholder carries bf16, so peft casts its input to bf16 and the adapter's matmul runs (it raised
     'expected m1 and m2 to have the same dtype' with fp32 placeholders). The adapter saved by the engine loads
     with PeftModel.from_pretrained and holds the trained values."""
-    cfg = cfg_for(tier, disk_dir, **{"bf16.enabled": True})
+    cfg = engine_config(tier, disk_dir, largest=40_000, **{"bf16.enabled": True})
     with zero_init(cfg):
         base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     model = lora(base)
@@ -119,7 +114,7 @@ def test_lora_bf16_r32_partitioned_adapters_train_and_round_trip(tier, model_dir
 
 
 def test_merged_lora_equals_peft_merge_and_unload(model_dir, tmp_path, disk_dir):
-    cfg = cfg_for("nvme", disk_dir)
+    cfg = engine_config("nvme", disk_dir, largest=40_000)
     with zero_init(cfg):
         base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     model = lora(base)
@@ -139,7 +134,7 @@ def test_merged_lora_equals_peft_merge_and_unload(model_dir, tmp_path, disk_dir)
 
 
 def test_save_pretrained_refuses_merge_without_peft_and_a_file_as_directory(model_dir, tmp_path, disk_dir):
-    cfg = cfg_for("cpu", disk_dir)
+    cfg = engine_config("cpu", disk_dir, largest=40_000)
     with zero_init(cfg):
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     (tmp_path / "f").write_text("")
@@ -158,7 +153,7 @@ def test_before_initialize_state_dict_gives_the_real_values(tier, model_dir, tmp
     """Between zero_init and initialize the parameters are already partitioned: torch.save(model.state_dict())
     wrote the placeholders' NaN. It now gets each value, gathered."""
     plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    cfg = cfg_for(tier, disk_dir)
+    cfg = engine_config(tier, disk_dir, largest=40_000)
     with zero_init(cfg) as store:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     try:
