@@ -67,10 +67,11 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, lr_sc
         if store is not current_store():
             store.close()  # what zero_init wrote goes too: nothing of a failed setup stays on disk
 
-    store = store_for(cfg, comm, model, trained=trained, existing=existing or current_store(), on_failure=failed)
+    store, disk = store_for(cfg, comm, model, trained=trained, existing=existing or current_store(),
+                            on_failure=failed)
     try:  # a failure here (a shard too big for the pool's buffers, ...) leaves no open store or files
         _adopt(model, store, trained)
-        cfg, plan, optimizer = _optimizer_for(cfg, store, comm, groups)
+        cfg, plan, optimizer = _optimizer_for(cfg, store, comm, groups, disk)
     except BaseException:
         failed(store)
         raise
@@ -118,10 +119,11 @@ def _adopt(model: torch.nn.Module, store, trained: set) -> None:
                 module._buffers[key] = b.to(store.device)
 
 
-def _optimizer_for(cfg: Config, store, comm, groups: list[dict]):
+def _optimizer_for(cfg: Config, store, comm, groups: list[dict], disk: tuple):
     """(the config with its fitted sizes, the OffloadPlan, the ShardedAdam over it); an NVMe pool that was opened
     is closed again if the optimizer cannot be built."""
-    cfg, plan = plan_offload(cfg, store, [[managed(p) for p in g["params"]] for g in groups], say=comm.rank == 0)
+    cfg, plan = plan_offload(cfg, store, [[managed(p) for p in g["params"]] for g in groups], disk=disk,
+                             say=comm.rank == 0)
     if plan.fitted and comm.rank == 0:
         log.info("infinity: %s", plan.fitted)
     swap = None

@@ -13,7 +13,9 @@ from infinity.config.load import existing_ancestor
 from infinity.engine import lifetime
 from infinity.engine.comm import Comm, together
 from infinity.engine.params import ParamStore, managed
+from infinity.engine.plan import DiskNeed, fit_param_buffer
 from infinity.swap.state import MOMENT_DTYPES, state_bytes
+from infinity.swap.swapper import HEADER
 from infinity.swap.tier import HOST, Tier
 
 
@@ -32,19 +34,20 @@ def compute_device() -> torch.device:
 
 
 def store_for(cfg: Config, comm: Comm, model: torch.nn.Module, *, trained: set, existing=None,
-              on_failure=None) -> ParamStore:
+              on_failure=None) -> tuple[ParamStore, tuple[DiskNeed, ...]]:
     """The store the model's shards go to: `existing` (zero_init's) with the prefetch bucket the config now
     resolves ("auto" may be the model's), or one built now with its pool fitted to the model. Every rank
     then checks that its swap files have room (check_disk_room, for the parameters not yet in files and the
-    optimizer's state); when one has not, every rank calls on_failure(store) and raises ConfigError."""
+    optimizer's state); when one has not, every rank calls on_failure(store) and raises ConfigError. Returns
+    the store and the room each filesystem needs."""
     if existing is None:
         store = build_store(cfg, comm, largest_shard_numel=pool_shard_numel(cfg, model, comm.world))
     else:
         store = existing
         store.set_prefetch_bucket(cfg.zero_optimization.stage3_prefetch_bucket_size)
-    together(comm, "the disk-room check", lambda: check_disk_room(cfg, store, model, trained, comm.world),
-             on_failure and (lambda: on_failure(store)), error=lambda message: ConfigError("", message))
-    return store
+    disk = together(comm, "the disk-room check", lambda: check_disk_room(cfg, store, model, trained, comm.world),
+                    on_failure and (lambda: on_failure(store)), error=lambda message: ConfigError("", message))
+    return store, disk
 
 
 def build_store(cfg: Config, comm: Comm, *, largest_shard_numel: int | None = None) -> ParamStore:
@@ -81,15 +84,14 @@ def pool_shard_numel(cfg: Config, model: torch.nn.Module, world: int) -> int:
     then costs address space, not memory: large buffers are mapped lazily (aligned_empty), so only the bytes the
     shards write become resident, and initialize shrinks the buffers to the largest shard ([Note: the parameter
     pool shrinks after setup] in params.py)."""
-    from infinity.engine.plan import fit_param_buffer
-
     largest = max((math.ceil(p.numel() / world) for p in model.parameters()), default=1)
     return fit_param_buffer(cfg, largest).zero_optimization.offload_param.buffer_size
 
 
-def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None:
+def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> tuple[DiskNeed, ...]:
     """Before initialize writes anything: do the nvme_path filesystems have room for this rank's swap files?
-    Raises ConfigError naming the path, the bytes needed (parameters and optimizer) and the bytes free."""
+    Returns what each needs (DiskNeed, for the plan); raises ConfigError naming the path, the bytes needed
+    (parameters and optimizer) and the bytes free."""
     import shutil
 
     zero = cfg.zero_optimization
@@ -113,17 +115,17 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
             mp = managed(p)
             if mp is None:
                 if k in trained or p.is_floating_point():
-                    fp32_files += 4 * part[k]  # adopted now, in fp32
+                    fp32_files += HEADER + 4 * part[k]  # adopted now, in fp32; each file has a header
             elif mp.home is store.nvme and not mp.unwritten:
-                fp32_files += 4 * part[k]
-                existing += 4 * part[k]
+                fp32_files += HEADER + 4 * part[k]
+                existing += HEADER + 4 * part[k]
         # fp32 compute keeps the fp32 files (with alias mode they are removed once the optimizer file holds
         # the shards: counting them is conservative).
-        final = sum(compute * part[k] for k in params if not (tail and k in trained)) if compute != 4 \
+        final = sum(HEADER + compute * part[k] for k in params if not (tail and k in trained)) if compute != 4 \
             else fp32_files
-    if off_o.tier is Tier.NVME:
+    if off_o.tier is Tier.NVME:  # a file per sub-group, each with a header: counted once per trained shard
         per = state_bytes(MOMENT_DTYPES[off_o.moments_dtype]) + (store.dtype.itemsize if tail else 0)
-        opt_bytes = per * sum(part[k] for k in trained)
+        opt_bytes = sum(HEADER + per * part[k] for k in trained)
     need: dict = {}  # filesystem -> [a path on it, bytes for parameters, bytes for the optimizer]
     # existing_ancestor: an nvme_path is made when its swapper starts
     p_dev = os.stat(existing_ancestor(zero.offload_param.nvme_path)).st_dev if fp32_files else None
@@ -135,12 +137,15 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> None
         together = entry[2]  # the optimizer's bytes, when it shares the filesystem
         entry[1] = max(0, max(fp32_files, final + together) - together - existing)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host share its disks
+    out = []
     for path, p_bytes, o_bytes in need.values():
-        p_bytes, o_bytes = p_bytes * local, o_bytes * local
         free = shutil.disk_usage(existing_ancestor(path)).free
+        out.append(DiskNeed(path=path, param_bytes=p_bytes, optimizer_bytes=o_bytes, ranks=local, free=free))
+        p_bytes, o_bytes = p_bytes * local, o_bytes * local
         if free < p_bytes + o_bytes:
             raise ConfigError("zero_optimization.offload_param.nvme_path" if p_bytes else
                               "zero_optimization.offload_optimizer.nvme_path",
                               f"{path} has {free:,} bytes free, but the swap files of this host's ranks need "
                               f"{p_bytes + o_bytes:,} ({p_bytes:,} for parameters, {o_bytes:,} for the optimizer); "
                               "free space there or point nvme_path at a bigger disk")
+    return tuple(out)

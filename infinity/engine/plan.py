@@ -9,8 +9,9 @@ sub-group is split, the sub-groups themselves, and the optimizer pool's buffers 
 config does not write them: [Note: sizes fitted to the model] below). Before this plan, the optimizer, the
 sizing and the engine each derived these again from the config; now `plan_offload` derives them and the others
 read the plan. Two things are decided outside it, because they come before it: the parameter store's own pool
-(built under zero_init, before the model exists), and the swap files' room (checked before any shard is
-written); both are build.py's.
+(built under zero_init, before the model exists), and the swap files' room, checked on every rank before any
+shard is written (both build.py's). The plan keeps what that check found (`disk`), with the optimizer's bytes
+made exact from its sub-groups.
 
 [Note: sizes fitted to the model]
 The NVMe optimizer's pool holds `offload_optimizer.buffer_count` buffers, each
@@ -91,6 +92,25 @@ class ShardSource(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DiskNeed:
+    """The swap files' room on one filesystem, as checked before anything was written (check_disk_room in
+    build.py)."""
+
+    path: str
+    """The nvme_path on it (the optimizer's when both are)."""
+    param_bytes: int
+    """This rank's parameter files at their largest during setup, less what zero_init had already written."""
+    optimizer_bytes: int
+    """This rank's optimizer state files, each with its header (and the compute-dtype tail when the shards
+    live there): the check's estimate (a header per trained shard), made exact by the plan from its NVMe
+    sub-groups."""
+    ranks: int
+    """Ranks on this host (LOCAL_WORLD_SIZE), each needing as much."""
+    free: int
+    """Bytes free on the filesystem when it was checked."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SubGroupPlan:
     """One optimizer sub-group: the unit the optimizer's state moves and steps in."""
 
@@ -139,6 +159,8 @@ class OffloadPlan:
     and tail (SwapContext.for_optimizer sizes it from largest_sub_group and tail_bytes)."""
     fitted: str
     """What was fitted to the model and why (logged once), or "" when the config wrote every size."""
+    disk: tuple[DiskNeed, ...] = ()
+    """The swap files' room on each filesystem they go to (none without NVMe), checked on every rank."""
 
     @property
     def tail_bytes(self) -> int:
@@ -255,10 +277,11 @@ def fit_optimizer(cfg: Config, store, by_group: list[list], *, split: bool, say:
     return dataclasses.replace(cfg, zero_optimization=fitted), line, groups
 
 
-def plan_offload(cfg: Config, store, by_group: list[list], *, say: bool) -> tuple[Config, OffloadPlan]:
+def plan_offload(cfg: Config, store, by_group: list[list], *, disk: tuple = (),
+                 say: bool) -> tuple[Config, OffloadPlan]:
     """The plan for the trained shards of `store` (`by_group`: each parameter group's ManagedParams), and the
     config with the sizes fitted to them where it wrote none (`say`: this rank logs what an oversized written
-    pool costs; one rank says it)."""
+    pool costs; one rank says it). `disk`: the room the store's check found (DiskNeed per filesystem)."""
     zero = cfg.zero_optimization
     off = zero.offload_optimizer
     tier, ratio = off.tier, off.ratio
@@ -275,7 +298,18 @@ def plan_offload(cfg: Config, store, by_group: list[list], *, say: bool) -> tupl
         moments_dtype=MOMENT_DTYPES[off.moments_dtype],
         shard_source=ShardSource.HOME if in_state is None else ShardSource.OPTIMIZER_FILE, shard_dtype=in_state,
         split=split, sub_groups=tuple(sub_groups),
-        optimizer_buffers=off.buffer_count if any(g.tier is Tier.NVME for g in sub_groups) else 0, fitted=fitted)
+        optimizer_buffers=off.buffer_count if any(g.tier is Tier.NVME for g in sub_groups) else 0, fitted=fitted,
+        disk=_exact_state_files(disk, sub_groups, state_bytes(MOMENT_DTYPES[off.moments_dtype])
+                                + (0 if in_state in (None, torch.float32) else in_state.itemsize)))
+
+
+def _exact_state_files(disk: tuple, sub_groups: list, per: int) -> tuple:
+    """`disk` with the optimizer's bytes those of the files the sub-groups on NVMe write: one each, its header
+    and `per` bytes per parameter."""
+    from infinity.swap.swapper import HEADER
+
+    exact = sum(HEADER + g.numel * per for g in sub_groups if g.tier is Tier.NVME)
+    return tuple(dataclasses.replace(d, optimizer_bytes=exact) if d.optimizer_bytes else d for d in disk)
 
 
 def fit_param_buffer(cfg: Config, largest_shard: int) -> Config:

@@ -77,3 +77,42 @@ def test_an_optimizer_in_ram_has_no_nvme_pool_and_a_partial_offload_keeps_the_re
     assert plan.optimizer_buffers == 0 and not plan.split and plan.shard_source is ShardSource.HOME
     tiers = [g.tier for g in plan.sub_groups]
     assert tiers == [Tier.CPU] * (len(tiers) // 2) + [Tier.DEVICE] * (len(tiers) - len(tiers) // 2)
+
+
+def _swap_files(root) -> dict:
+    import os
+
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".swp"):
+                out[os.path.join(d, f)] = os.path.getsize(os.path.join(d, f))
+    return out
+
+
+@pytest.mark.parametrize("precision, sub_group", [("bf16", 8192), ("fp32", 40_000)])
+def test_the_plan_holds_the_swap_files_bytes_exactly(tmp_path, precision, sub_group):
+    """The plan's room on disk (DiskNeed, checked before anything is written) is, for the optimizer, the bytes
+    its files then take after two steps, headers and tails included; with split shards (bf16: the tied
+    embedding in pieces) and without."""
+    from infinity.testing.parity import train_step
+
+    over = {"zero_optimization.sub_group_size": sub_group, **({"bf16.enabled": True} if precision == "bf16" else {})}
+    e = gpt_engine(engine_config("nvme", str(tmp_path), **over))
+    try:
+        for s in range(2):
+            train_step(e, s)
+        e.optimizer.settle()
+        files = _swap_files(tmp_path)
+        (need,) = e.plan.disk
+        assert need.path == str(tmp_path) and need.ranks == 1 and need.free > 0
+        optim = sum(n for f, n in files.items() if "/optim_" in f)
+        assert optim == need.optimizer_bytes and len([f for f in files if "/optim_" in f]) == len(e.plan.sub_groups)
+        assert sum(files.values()) - optim <= need.param_bytes, "the parameters' files within the room planned"
+    finally:
+        e.close()
+
+
+def test_a_plan_without_nvme_needs_no_disk(tmp_path):
+    plan, _ = _plan(engine_config("cpu", str(tmp_path)))
+    assert plan.disk == ()
