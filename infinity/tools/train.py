@@ -604,7 +604,7 @@ def _one_step(engine, data, step: int, accum: int) -> dict:
             "io_write_bytes": r.io_write_bytes, "exposed_io_s": r.exposed_io_s, "comm_s": r.comm_s,
             "prefetch_hit_rate": r.prefetch_hit_rate, "param_fetches": r.param_fetches,
             "param_critical_reads": r.param_critical_reads, "param_stall_s": r.param_stall_s,
-            "skipped": r.skipped, "loss_scale": r.loss_scale,
+            "skipped": r.skipped, "loss_scale": r.loss_scale, "grad_norm": r.grad_norm,
             "lr": lr[0]}
 
 
