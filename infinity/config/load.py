@@ -43,7 +43,7 @@ def load_config(source, *, nvme_path: str | os.PathLike | None = None) -> Config
     cfg = _build(Config, raw, "", notes)
     cfg = dataclasses.replace(cfg, ignored=tuple(notes.ignored), auto=tuple(notes.auto), given=frozenset(notes.given),
                               optimizer_given="optimizer" in raw)
-    cfg = _legacy(cfg)
+    cfg = _path_lists(_legacy(cfg))
     cfg = _partial_offload(cfg, notes)
     cfg = _param_offload_below_stage3(cfg, notes)
     _check_semantics(cfg)
@@ -69,6 +69,21 @@ class _Notes:
 
 
 _AUTO = object()
+
+
+def _path_lists(cfg: Config) -> Config:
+    """An nvme_path given as a list: nvme_path becomes its first directory and nvme_path_list keeps them all
+    (`paths`)."""
+    zero = cfg.zero_optimization
+    changed = {}
+    for name in ("offload_param", "offload_optimizer"):
+        section = getattr(zero, name)
+        if isinstance(section.nvme_path, tuple):
+            changed[name] = dataclasses.replace(section, nvme_path=section.nvme_path[0],
+                                                nvme_path_list=section.nvme_path)
+    if not changed:
+        return cfg
+    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(zero, **changed))
 
 
 def _legacy(cfg: Config) -> Config:
@@ -196,6 +211,14 @@ def _value(hint, f: dataclasses.Field, value, where: str, notes: _Notes):
         return _betas(value, where)
     if kind == "size":
         return _checked_number(_size(value, where), meta, where)
+    if kind == "path" and isinstance(value, list):  # several directories, one per disk
+        if not value or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(where, f"must be a directory or a non-empty list of directories, got {json.dumps(value)}")
+        real = [os.path.realpath(v) for v in value]
+        twice = sorted({v for v, r in zip(value, real) if real.count(r) > 1})
+        if twice:
+            raise ConfigError(where, f"lists {', '.join(twice)} more than once; give each directory once")
+        return tuple(value)
     if kind in ("path", "str") or base is str:
         if not isinstance(value, str) or not value:
             raise ConfigError(where, f"must be a non-empty string, got {_describe(value)}")
@@ -344,26 +367,30 @@ def _check_paths(cfg: Config) -> None:
         section = getattr(zero, name)
         if section.device != "nvme":
             continue
-        key = f"zero_optimization.{name}.nvme_path"
-        path = os.path.abspath(section.nvme_path)
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(key, f"{path} is not a directory")
-        base = existing_ancestor(path)
-        if not os.path.isdir(base):
-            raise ConfigError(key, f"{path} cannot be created: {base} is not a directory; point nvme_path at a "
-                                   "directory on a fast disk that you can write")
-        try:
-            with tempfile.TemporaryFile(dir=base):
-                pass
-        except OSError as exc:
-            what = "is not writable" if base == path else f"does not exist and cannot be created in {base}"
-            raise ConfigError(key, f"{path} {what} ({exc.strerror}); choose a directory you can write") from None
-        if cfg.infinity.direct_io:
-            from infinity._native_loader import native
+        for path in section.paths:
+            _check_path(cfg, f"zero_optimization.{name}.nvme_path", os.path.abspath(path))
 
-            if native is not None and native.direct_alignment(base) == 0:
-                raise ConfigError(key, f"the filesystem of {path} does not support O_DIRECT; use a directory on "
-                                       'a real disk, or set infinity.direct_io = false (or aio.backend = "python")')
+
+def _check_path(cfg: Config, key: str, path: str) -> None:
+    """One nvme_path directory: see _check_paths."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(key, f"{path} is not a directory")
+    base = existing_ancestor(path)
+    if not os.path.isdir(base):
+        raise ConfigError(key, f"{path} cannot be created: {base} is not a directory; point nvme_path at a "
+                               "directory on a fast disk that you can write")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as exc:
+        what = "is not writable" if base == path else f"does not exist and cannot be created in {base}"
+        raise ConfigError(key, f"{path} {what} ({exc.strerror}); choose a directory you can write") from None
+    if cfg.infinity.direct_io:
+        from infinity._native_loader import native
+
+        if native is not None and native.direct_alignment(base) == 0:
+            raise ConfigError(key, f"the filesystem of {path} does not support O_DIRECT; use a directory on "
+                                   'a real disk, or set infinity.direct_io = false (or aio.backend = "python")')
 
 
 def existing_ancestor(path: str) -> str:

@@ -22,6 +22,12 @@ def spec(default, *, low=None, high=None, choices=None, kind=None, default_facto
     return field(default=default, metadata=meta)
 
 
+def _paths(first: str | None, listed: tuple) -> tuple[str, ...]:
+    if listed and listed[0] == first:  # a nvme_path replaced after loading (one string) wins over the list
+        return tuple(listed)
+    return (first,) if first else ()
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OffloadParamConfig:
     """zero_optimization.offload_param: where fp16/bf16 parameter partitions live (stage 3 only)."""
@@ -29,7 +35,11 @@ class OffloadParamConfig:
     device: str = spec("none", choices=("none", "cpu", "nvme"))
     """none: on the device; cpu: pinned host memory; nvme: swap files under nvme_path."""
     nvme_path: str | None = spec(None, kind="path")
-    """Directory for parameter swap files (device=nvme). Must exist, be writable and support O_DIRECT."""
+    """Directory for parameter swap files (device=nvme). Must exist, be writable and support O_DIRECT. A list
+    of directories (one per disk) places the files across them: see [Note: several NVMe paths] in
+    swap/swapper.py. Loaded, this is the first of them; `paths` has all."""
+    nvme_path_list: tuple = field(default=(), metadata={"internal": True})
+    """Every directory nvme_path listed, in order (empty when it was one string)."""
     buffer_count: int = spec(5, low=1, high=1 << 16)
     """Number of pool buffers for parameter swapping."""
     buffer_size: int = spec(100_000_000, low=1, high=1 << 40)
@@ -46,6 +56,11 @@ class OffloadParamConfig:
         """`device`, parsed."""
         return Tier(self.device)
 
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every directory the swap files go to: nvme_path's list, or nvme_path alone."""
+        return _paths(self.nvme_path, self.nvme_path_list)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OffloadOptimizerConfig:
@@ -54,7 +69,9 @@ class OffloadOptimizerConfig:
     device: str = spec("none", choices=("none", "cpu", "nvme"))
     """none: on the device; cpu: host memory; nvme: swap files under nvme_path."""
     nvme_path: str | None = spec(None, kind="path")
-    """Directory for optimizer swap files (device=nvme)."""
+    """Directory for optimizer swap files (device=nvme), or a list of them, one per disk (as offload_param's)."""
+    nvme_path_list: tuple = field(default=(), metadata={"internal": True})
+    """Every directory nvme_path listed, in order (empty when it was one string)."""
     buffer_count: int = spec(4, low=1, high=1 << 16)
     """Pool buffers for the optimizer swapper (at least 3 to overlap read, Adam and write)."""
     pin_memory: bool = spec(False)
@@ -80,6 +97,11 @@ class OffloadOptimizerConfig:
     def tier(self) -> Tier:
         """`device`, parsed."""
         return Tier(self.device)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every directory the swap files go to: nvme_path's list, or nvme_path alone."""
+        return _paths(self.nvme_path, self.nvme_path_list)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -106,7 +106,8 @@ class OptimizerSliceReader:
         self.checksums = store.swap.swapper.checksums
         self.dtype = dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.where: dict[str, list] = {}  # sid -> its pieces, in order: (path, byte offset, elements, at, key)
+        # sid -> its pieces, in order: (path, byte offset, elements, at, key, its disk's aio or None: self.aio)
+        self.where: dict[str, list] = {}
         self.crc: dict[str, int] = {}  # by piece key
         self._held: dict = {}
         self._staged: dict = {}  # sid -> a pool buffer holding the shard's newest values (stage())
@@ -118,10 +119,11 @@ class OptimizerSliceReader:
         for a whole shard; see [Note: a large shard is split over sub-groups of its own] in optimizer.py)."""
         return sid if at == 0 else f"{sid}@{at}"
 
-    def place(self, sid: str, path: str, offset: int, numel: int, *, at: int = 0) -> None:
+    def place(self, sid: str, path: str, offset: int, numel: int, *, at: int = 0, aio=None) -> None:
         """Shard `sid`'s elements [at, at + numel) are values of self.dtype at byte `offset` of the group file
-        `path`'s data (after its header). Pieces are placed in order; at 0 starts the shard afresh."""
-        piece = (path, HEADER + offset, numel, at, self.key(sid, at))
+        `path`'s data (after its header), read through `aio` (the handle of that file's disk; default the
+        store's). Pieces are placed in order; at 0 starts the shard afresh."""
+        piece = (path, HEADER + offset, numel, at, self.key(sid, at), aio)
         if at == 0:
             self.where[sid] = [piece]
         else:
@@ -232,9 +234,9 @@ class OptimizerSliceReader:
         self._held[sid] = buf
         reads = []
         try:
-            for path, offset, numel, at, key in pieces:
+            for path, offset, numel, at, key, aio in pieces:
                 expected = self.crc.get(key)
-                fut = self.aio.pread(buf.tensor[at * self.itemsize:], path, offset, nbytes=numel * self.itemsize,
+                fut = (aio or self.aio).pread(buf.tensor[at * self.itemsize:], path, offset, nbytes=numel * self.itemsize,
                                      checksum=expected not in (None, PENDING))
                 reads.append((fut, expected, path))
         except BaseException:

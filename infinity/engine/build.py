@@ -13,7 +13,7 @@ from infinity.config.load import existing_ancestor
 from infinity.engine import lifetime
 from infinity.engine.comm import Comm, together
 from infinity.engine.params import ParamStore, managed
-from infinity.engine.plan import DiskNeed, fit_param_buffer
+from infinity.engine.plan import FLOOR, SUB_GROUP, DiskNeed, fit_param_buffer, written
 from infinity.swap.state import MOMENT_DTYPES, state_bytes
 from infinity.swap.swapper import HEADER
 from infinity.swap.tier import HOST, Tier
@@ -105,7 +105,7 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> tupl
     # files already written under zero_init take now (free space excludes them). With the copies in the
     # tail (bf16/fp16, both on NVMe, no max_in_cpu, ratio 1: [Note: compute-dtype shards in the optimizer
     # file]) the trained ones are on the optimizer's filesystem.
-    fp32_files = existing = final = opt_bytes = 0
+    fp32_files = existing = final = opt_bytes = per = 0
     off_o = zero.offload_optimizer
     tail = (store.tier is Tier.NVME and store.dtype != torch.float32 and off_o.tier is Tier.NVME
             and zero.offload_param.max_in_cpu == 0 and off_o.ratio >= 1)
@@ -126,26 +126,48 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> tupl
     if off_o.tier is Tier.NVME:  # a file per sub-group, each with a header: counted once per trained shard
         per = state_bytes(MOMENT_DTYPES[off_o.moments_dtype]) + (store.dtype.itemsize if tail else 0)
         opt_bytes = sum(HEADER + per * part[k] for k in trained)
-    need: dict = {}  # filesystem -> [a path on it, bytes for parameters, bytes for the optimizer]
-    # existing_ancestor: an nvme_path is made when its swapper starts
-    p_dev = os.stat(existing_ancestor(zero.offload_param.nvme_path)).st_dev if fp32_files else None
-    o_dev = os.stat(existing_ancestor(zero.offload_optimizer.nvme_path)).st_dev if opt_bytes else None
-    if o_dev is not None:
-        need[o_dev] = [zero.offload_optimizer.nvme_path, 0, opt_bytes]
-    if p_dev is not None:
-        entry = need.setdefault(p_dev, [zero.offload_param.nvme_path, 0, 0])
-        together = entry[2]  # the optimizer's bytes, when it shares the filesystem
-        entry[1] = max(0, max(fp32_files, final + together) - together - existing)
+    # Several nvme_paths: the files are placed round-robin ([Note: several NVMe paths] in swap/swapper.py), so a
+    # path takes its share of the bytes plus at most one file more than an even share.
+    ppaths = zero.offload_param.paths if fp32_files else ()
+    opaths = off_o.paths if opt_bytes else ()
+    largest_param = HEADER + 4 * max((part[k] for k in params), default=0)
+    largest_shard = max((part[k] for k in trained), default=0)
+    group = zero.sub_group_size if written(cfg, SUB_GROUP) else max(largest_shard, FLOOR)  # at most (plan.py)
+    largest_group = HEADER + per * max(group, largest_shard)
+    fs: dict = {}  # st_dev -> {the first path on it (the optimizer's when both are), and its bytes}
+    for k, path in enumerate(opaths):
+        e = _filesystem(fs, path)
+        e["opt"] += _share(opt_bytes, len(opaths), largest_group)
+        e["slots"].append(k)
+    for path in ppaths:
+        e = _filesystem(fs, path)
+        e["fp32"] += _share(fp32_files, len(ppaths), largest_param)
+        e["final"] += _share(final, len(ppaths), largest_param)
+        e["existing"] += max(0, existing // len(ppaths) - (largest_param if len(ppaths) > 1 else 0))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host share its disks
     out = []
-    for path, p_bytes, o_bytes in need.values():
-        free = shutil.disk_usage(existing_ancestor(path)).free
-        out.append(DiskNeed(path=path, param_bytes=p_bytes, optimizer_bytes=o_bytes, ranks=local, free=free))
+    for e in fs.values():
+        p_bytes = max(0, max(e["fp32"], e["final"] + e["opt"]) - e["opt"] - e["existing"]) if e["fp32"] else 0
+        o_bytes = e["opt"]
+        free = shutil.disk_usage(existing_ancestor(e["path"])).free
+        out.append(DiskNeed(path=e["path"], param_bytes=p_bytes, optimizer_bytes=o_bytes, ranks=local, free=free,
+                            optimizer_slots=tuple(e["slots"])))
         p_bytes, o_bytes = p_bytes * local, o_bytes * local
         if free < p_bytes + o_bytes:
             raise ConfigError("zero_optimization.offload_param.nvme_path" if p_bytes else
                               "zero_optimization.offload_optimizer.nvme_path",
-                              f"{path} has {free:,} bytes free, but the swap files of this host's ranks need "
+                              f"{e['path']} has {free:,} bytes free, but the swap files of this host's ranks need "
                               f"{p_bytes + o_bytes:,} ({p_bytes:,} for parameters, {o_bytes:,} for the optimizer); "
                               "free space there or point nvme_path at a bigger disk")
     return tuple(out)
+
+
+def _share(total: int, paths: int, largest_file: int) -> int:
+    """The most bytes of `total` one of `paths` directories can take with files placed round-robin."""
+    return total if paths == 1 else min(total, -(-total // paths) + largest_file)
+
+
+def _filesystem(fs: dict, path: str) -> dict:
+    """The entry of path's filesystem in `fs` (by st_dev; an nvme_path is made when its swapper starts)."""
+    dev = os.stat(existing_ancestor(path)).st_dev
+    return fs.setdefault(dev, {"path": path, "fp32": 0, "final": 0, "existing": 0, "opt": 0, "slots": []})

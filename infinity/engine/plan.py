@@ -108,6 +108,8 @@ class DiskNeed:
     """Ranks on this host (LOCAL_WORLD_SIZE), each needing as much."""
     free: int
     """Bytes free on the filesystem when it was checked."""
+    optimizer_slots: tuple[int, ...] = ()
+    """Which of offload_optimizer's paths (their indices) are on this filesystem."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,16 +302,19 @@ def plan_offload(cfg: Config, store, by_group: list[list], *, disk: tuple = (),
         split=split, sub_groups=tuple(sub_groups),
         optimizer_buffers=off.buffer_count if any(g.tier is Tier.NVME for g in sub_groups) else 0, fitted=fitted,
         disk=_exact_state_files(disk, sub_groups, state_bytes(MOMENT_DTYPES[off.moments_dtype])
-                                + (0 if in_state in (None, torch.float32) else in_state.itemsize)))
+                                + (0 if in_state in (None, torch.float32) else in_state.itemsize), len(off.paths)))
 
 
-def _exact_state_files(disk: tuple, sub_groups: list, per: int) -> tuple:
+def _exact_state_files(disk: tuple, sub_groups: list, per: int, paths: int) -> tuple:
     """`disk` with the optimizer's bytes those of the files the sub-groups on NVMe write: one each, its header
-    and `per` bytes per parameter."""
+    and `per` bytes per parameter, the j-th on path j mod `paths` ([Note: several NVMe paths] in
+    swap/swapper.py)."""
     from infinity.swap.swapper import HEADER
 
-    exact = sum(HEADER + g.numel * per for g in sub_groups if g.tier is Tier.NVME)
-    return tuple(dataclasses.replace(d, optimizer_bytes=exact) if d.optimizer_bytes else d for d in disk)
+    files = [HEADER + g.numel * per for g in sub_groups if g.tier is Tier.NVME]
+    return tuple(dataclasses.replace(d, optimizer_bytes=sum(n for j, n in enumerate(files)
+                                                            if j % max(paths, 1) in d.optimizer_slots))
+                 if d.optimizer_slots else d for d in disk)
 
 
 def fit_param_buffer(cfg: Config, largest_shard: int) -> Config:

@@ -21,18 +21,25 @@ from infinity.swap.tier import Tier
 
 
 class SwapContext:
-    """Pool + AsyncIO + TensorSwapper: `count` buffers of `size` bytes, files under `directory`."""
+    """Pool + AsyncIO + TensorSwapper: `count` buffers of `size` bytes, files under `directory` (or several)."""
 
     def __init__(self, *, directory, count: int, size: int, cfg: Config, pin: bool, rank: int = 0, kind: str = "",
                  world: int | None = None, sized: bool = False):
-        self.io = AsyncIO.from_config(cfg)
+        """`directory`: one, or a tuple of one per disk, each with an I/O handle of its own ([Note: several
+        NVMe paths] in swapper.py)."""
+        directories = directory if isinstance(directory, tuple) else (directory,)
+        self.ios = []
         try:
+            for _ in directories:
+                self.ios.append(AsyncIO.from_config(cfg))
+            self.io = self.ios[0]
             # pin_memory page-locks the pool for device copies, which only means something when CUDA is there.
             self.pool = BufferPool(count, size, pin=pin and torch.cuda.is_available(), sized=sized)
-            self.swapper = TensorSwapper(directory, self.pool, self.io, rank=rank, kind=kind, world=world,
+            self.swapper = TensorSwapper(list(directories), self.pool, self.ios, rank=rank, kind=kind, world=world,
                                          checksums=cfg.infinity.checksums, leftovers=cfg.infinity.leftovers)
         except BaseException:
-            self.io.close()
+            for io in self.ios:
+                io.close()
             raise
 
     @classmethod
@@ -57,7 +64,7 @@ class SwapContext:
                               f"{pool_bytes / 2**30:.2f} GiB "
                               f"exceeds infinity.memory_budget ({budget / 2**30:.2f} GiB); lower buffer_count or "
                               "zero_optimization.sub_group_size")
-        return cls(directory=off.nvme_path, count=off.buffer_count, size=per * group, cfg=cfg, pin=off.pin_memory,
+        return cls(directory=off.paths, count=off.buffer_count, size=per * group, cfg=cfg, pin=off.pin_memory,
                    rank=rank, world=world)
 
     @classmethod
@@ -69,12 +76,13 @@ class SwapContext:
         if off.tier is not Tier.NVME:
             raise ValueError('SwapContext: zero_optimization.offload_param.device is not "nvme"; nothing to swap')
         numel = off.buffer_size if largest_shard_numel is None else largest_shard_numel
-        return cls(directory=off.nvme_path, count=off.buffer_count, size=4 * numel, cfg=cfg, pin=off.pin_memory,
+        return cls(directory=off.paths, count=off.buffer_count, size=4 * numel, cfg=cfg, pin=off.pin_memory,
                    rank=rank, kind="param", world=world, sized=True)
 
     def close(self) -> None:
         self.swapper.close()
-        self.io.close()
+        for io in self.ios:
+            io.close()
 
     def __enter__(self) -> "SwapContext":
         return self

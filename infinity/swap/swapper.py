@@ -1,6 +1,7 @@
 """TensorSwapper: moves registered partitions between pool buffers and swap files.
 
-On-disk layout (one file per partition, `<nvme_path>/infinity-swap/[<kind>-]rank<R>/<name>.swp`):
+On-disk layout (one file per partition, `<nvme_path>/infinity-swap/[<kind>-]rank<R>/<name>.swp`; with several
+nvme_paths, each file is under one of them: [Note: several NVMe paths]):
   bytes [0, 4096)      header: UTF-8 JSON, padded with spaces: {"magic": "infinity-swap", "version": 1,
                        "id": ..., "dtype": "float32", "numel": N, "nbytes": B, "crc32c": C or null}
   bytes [4096, 4096+B) the partition's raw little-endian bytes (C-order), B = numel x element size
@@ -21,6 +22,23 @@ only read the buffer), and submits the header once the CRC is known. So the
 checksum costs the step thread nothing. A crash can land between the two
 writes either way round; the header then does not match the data, and the
 next read reports the corruption.
+
+[Note: several NVMe paths]
+nvme_path may list several directories, one per disk. Each gets its own
+rank directory (claimed, cleared and removed as one alone is) and its own
+AsyncIO handle, so that each disk has its own queue and threads. Files are
+placed, not striped: the k-th partition this swapper meets (its first
+write, or a leftover found in a directory) goes to directory k mod N and
+stays there. The optimizer's sub-groups are written first in walk order, so
+consecutive groups sit on different disks, and the pipeline's read of one
+group and write of the previous one run on two disks at once. Striping a
+file would also split one read over the disks, but the walk always has
+several reads and writes in flight, which placement already spreads; the
+plan computes each disk's bytes from the same rule (plan.py). Forward's
+reads of shards kept in the optimizer's files (engine/alias.py) go through
+the handle of the file's disk; with one directory, through the parameter
+store's own handle, a queue beside the optimizer's. DeepSpeed
+answers several disks with "build a RAID-0" (its issue 2195).
 
 [Note: who releases a swap-out buffer]
 A swap-out hands its pool buffer to the write. The swapper's reaper thread
@@ -113,22 +131,35 @@ def wait_all(futures) -> None:
 
 
 class TensorSwapper:
-    """Swap partitions in and out of files under `directory`, through `pool`."""
+    """Swap partitions in and out of files under `directory` (one, or a list: [Note: several NVMe paths]),
+    through `pool`."""
 
-    def __init__(self, directory, pool: BufferPool, aio: AsyncIO | None = None, *, rank: int = 0, kind: str = "",
+    def __init__(self, directory, pool: BufferPool, aio=None, *, rank: int = 0, kind: str = "",
                  checksums: bool = True, leftovers: str = "clear", registry: Registry | None = None,
                  world: int | None = None):
-        """`world`, the job's number of ranks, lets rank 0 clear the directories of ranks at or beyond it that
+        """`aio`: one AsyncIO for every directory, or a list of one per directory (None: made here).
+        `world`, the job's number of ranks, lets rank 0 clear the directories of ranks at or beyond it that
         a larger run left (leftovers "clear"): see [Note: a smaller run clears a larger one's dead ranks]."""
         if leftovers not in ("clear", "reuse", "error"):
             raise ValueError(f"TensorSwapper: leftovers must be clear, reuse or error, got {leftovers!r}")
+        roots = [os.fspath(d) for d in directory] if isinstance(directory, (list, tuple)) else [os.fspath(directory)]
+        if not roots:
+            raise ValueError("TensorSwapper: no directory given")
+        if isinstance(aio, (list, tuple)) and len(aio) != len(roots):
+            raise ValueError(f"TensorSwapper: {len(aio)} AsyncIO handles for {len(roots)} directories; give one "
+                             "per directory, or one for all")
         self.pool = pool
-        self.aio = aio or AsyncIO()
         self._own_aio = aio is None
+        self.aios = list(aio) if isinstance(aio, (list, tuple)) else [aio or AsyncIO()] * len(roots)
+        self.aio = self.aios[0]
         self.registry = registry or Registry()
         self.checksums = checksums
         # `kind` keeps two swappers of one rank (parameters, optimizer state) in separate directories.
-        self.dir = os.path.join(os.fspath(directory), "infinity-swap", f"{kind}-rank{rank}" if kind else f"rank{rank}")
+        sub = f"{kind}-rank{rank}" if kind else f"rank{rank}"
+        self.dirs = [os.path.join(root, "infinity-swap", sub) for root in roots]
+        self.dir = self.dirs[0]
+        self._slot: dict[str, int] = {}  # part id -> its directory's index (see the note)
+        self._owners: list = []
         self.rank = rank
         self.kind = kind
         self._crc: dict[str, int | None] = {}
@@ -137,7 +168,7 @@ class TensorSwapper:
         # plain Lock hung the rank there, with the read reaper stuck behind it.
         self._lock = threading.RLock()
         self._stale: set[str] = set()  # ids adopted from a crashed run's files, not yet read or written by this one
-        self._claim_key = None
+        self._claim_keys: list = []
         try:
             self.leftovers_found = self._claim_directory(leftovers)
             if rank == 0 and world is not None and leftovers == "clear":
@@ -163,30 +194,35 @@ class TensorSwapper:
     # ------------------------------------------------------------ directory
 
     def _claim_directory(self, policy: str) -> int:
-        key = os.path.realpath(self.dir)
+        """Claim every directory (each under its own lock) and deal with a crashed run's files in it; the
+        number of such files."""
+        return sum(self._claim_one(k, d, policy) for k, d in enumerate(self.dirs))
+
+    def _claim_one(self, k: int, directory: str, policy: str) -> int:
+        key = os.path.realpath(directory)
         with _CLAIMED_LOCK:
             if key in _CLAIMED:
-                raise RuntimeError(f"TensorSwapper: {self.dir} is already used by another swapper in this process; "
+                raise RuntimeError(f"TensorSwapper: {directory} is already used by another swapper in this process; "
                                    "give each one its own directory or rank")
             _CLAIMED.add(key)
-        self._claim_key = key
+        self._claim_keys.append(key)
         # [Note: directories are owned through flock] in infinity/dirlock.py: one live owner, whoever races
-        self._owner = DirLock(self.dir, what="TensorSwapper: the swap directory",
-                              fix="give each job its own nvme_path")
-        found = [f for f in os.listdir(self.dir) if f.endswith(".swp")]
+        self._owners.append(DirLock(directory, what="TensorSwapper: the swap directory",
+                                    fix="give each job its own nvme_path"))
+        found = [f for f in os.listdir(directory) if f.endswith(".swp")]
         if found:  # the lock was free: whoever wrote them is gone
             if policy == "error":
-                raise RuntimeError(f"TensorSwapper: {self.dir} holds {len(found)} swap files from a crashed run; "
+                raise RuntimeError(f"TensorSwapper: {directory} holds {len(found)} swap files from a crashed run; "
                                    'remove them, or set infinity.leftovers to "clear" or "reuse"')
             if policy == "clear":
                 for f in found:
-                    os.unlink(os.path.join(self.dir, f))
-                warnings.warn(f"infinity: removed {len(found)} swap files left in {self.dir} by a crashed run",
-                              stacklevel=3)
+                    os.unlink(os.path.join(directory, f))
+                warnings.warn(f"infinity: removed {len(found)} swap files left in {directory} by a crashed run",
+                              stacklevel=4)
             else:
-                reused = sum(self._adopt(os.path.join(self.dir, f)) for f in found)
-                warnings.warn(f"infinity: reusing {reused} of {len(found)} swap files left in {self.dir}",
-                              stacklevel=3)
+                reused = sum(self._adopt(os.path.join(directory, f), k) for f in found)
+                warnings.warn(f"infinity: reusing {reused} of {len(found)} swap files left in {directory}",
+                              stacklevel=4)
         return len(found)
 
     def _clear_dead_ranks(self, world: int) -> None:
@@ -196,21 +232,21 @@ class TensorSwapper:
         rank of the smaller run claims them, and their files hold the disk forever. So rank 0 also removes the
         files of every sibling directory of this kind numbered at or beyond `world`, where it can take that
         directory's lock (whoever held it is gone); a directory another live job holds is left alone."""
-        parent = os.path.dirname(self.dir)
         pattern = re.compile(re.escape(f"{self.kind}-rank" if self.kind else "rank") + r"(\d+)")
-        removed = 0
-        for name in sorted(os.listdir(parent)):
-            m = pattern.fullmatch(name)
-            if m is None or int(m.group(1)) < world:
-                continue
-            path = os.path.join(parent, name)
-            try:
-                removed += self._clear_dead(path)
-            except (OSError, DirectoryInUse):  # not ours to clear (another user's, read-only, live, gone): left
-                continue
-        if removed:
-            warnings.warn(f"infinity: removed {removed} swap files that dead ranks (numbered {world} and up) of an "
-                          f"earlier, larger run left in {parent}", stacklevel=4)
+        for parent in (os.path.dirname(d) for d in self.dirs):
+            removed = 0
+            for name in sorted(os.listdir(parent)):
+                m = pattern.fullmatch(name)
+                if m is None or int(m.group(1)) < world:
+                    continue
+                path = os.path.join(parent, name)
+                try:
+                    removed += self._clear_dead(path)
+                except (OSError, DirectoryInUse):  # not ours to clear (another user's, read-only, live, gone): left
+                    continue
+            if removed:
+                warnings.warn(f"infinity: removed {removed} swap files that dead ranks (numbered {world} and up) of "
+                              f"an earlier, larger run left in {parent}", stacklevel=4)
 
     @staticmethod
     def _clear_dead(path: str) -> int:
@@ -234,13 +270,13 @@ class TensorSwapper:
         return len(files)
 
     def _unclaim(self) -> None:
-        owner = getattr(self, "_owner", None)
-        if owner is not None:
+        for owner in self._owners:
             owner.release()
         with _CLAIMED_LOCK:
-            _CLAIMED.discard(self._claim_key)
+            for key in self._claim_keys:
+                _CLAIMED.discard(key)
 
-    def _adopt(self, path: str) -> bool:
+    def _adopt(self, path: str, k: int) -> bool:
         try:
             with open(path, "rb") as f:
                 head = json.loads(f.read(HEADER).decode("utf-8"))
@@ -250,6 +286,7 @@ class TensorSwapper:
                                    tail_nbytes=int(head.get("tail_nbytes", 0)))
             self._crc[head["id"]] = head.get("crc32c")
             self._stale.add(head["id"])
+            self._slot[head["id"]] = k
             return True
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return False  # not one of ours, or torn: left for a later run's "clear"
@@ -257,7 +294,20 @@ class TensorSwapper:
     def path_of(self, part_id: str) -> str:
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", part_id)[:80]
         digest = hashlib.sha1(part_id.encode()).hexdigest()[:8]
-        return os.path.join(self.dir, f"{safe}-{digest}.swp")
+        return os.path.join(self.dirs[self._directory_of(part_id)], f"{safe}-{digest}.swp")
+
+    def aio_of(self, part_id: str):
+        """The AsyncIO handle of the disk that holds part_id's file."""
+        return self.aios[self._directory_of(part_id)]
+
+    def _directory_of(self, part_id: str) -> int:
+        """Its directory's index: fixed the first time a partition is met, the next in turn ([Note: several
+        NVMe paths])."""
+        k = self._slot.get(part_id)
+        if k is None:
+            with self._lock:
+                k = self._slot.setdefault(part_id, len(self._slot) % len(self.dirs))
+        return k
 
     # ------------------------------------------------------------ swap out
 
@@ -334,7 +384,7 @@ class TensorSwapper:
         """
         try:
             _header_text(part, 0xFFFFFFFF)  # an id too long for the header fails here, not in the reaper
-            futs = [self.aio.pwrite(buf.tensor, self.path_of(part.id), HEADER, nbytes=part.write_nbytes)]
+            futs = [self.aio_of(part.id).pwrite(buf.tensor, self.path_of(part.id), HEADER, nbytes=part.write_nbytes)]
         except BaseException:
             with self._lock:
                 part.fail_write()
@@ -398,7 +448,7 @@ class TensorSwapper:
                 self.pool.release(buf)
             raise
         try:
-            fut = self.aio.pread(buf.tensor, self.path_of(part_id), HEADER, nbytes=part.nbytes,
+            fut = self.aio_of(part_id).pread(buf.tensor, self.path_of(part_id), HEADER, nbytes=part.nbytes,
                                  checksum=self.checksums and self._crc.get(part_id) is not None)
         except BaseException:
             with self._lock:
@@ -439,7 +489,7 @@ class TensorSwapper:
             self._crc.pop(part_id, None)
             self._on_write.pop(part_id, None)
         path = self.path_of(part_id)
-        self.aio.forget(path)  # its cached fds would keep the file's blocks allocated
+        self.aio_of(part_id).forget(path)  # its cached fds would keep the file's blocks allocated
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -491,7 +541,7 @@ class TensorSwapper:
             text = _header_text(part, crc)
             head.fill_(ord(" "))
             head[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-            fut = self.aio.pwrite(head, self.path_of(part.id), 0)
+            fut = self.aio_of(part.id).pwrite(head, self.path_of(part.id), 0)
             self._header_of[id(fut)] = head
             return futs + [fut], crc, None
         except BaseException as exc:  # noqa: BLE001 - reported through the swap's future
@@ -553,13 +603,15 @@ class TensorSwapper:
         for t in self._reapers:
             t.join()
         if self._own_aio:
-            self.aio.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+            self.aio.close()  # one handle for every directory
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
         self._unclaim()
-        try:
-            os.rmdir(os.path.dirname(self.dir))  # infinity-swap/, if no other rank is using it
-        except OSError:
-            pass
+        for d in self.dirs:
+            try:
+                os.rmdir(os.path.dirname(d))  # infinity-swap/, if no other rank is using it
+            except OSError:
+                pass
 
     def _check_open(self) -> None:
         if self._closed:

@@ -90,7 +90,7 @@ def test_fp32_pieces_train_as_the_whole_and_a_flipped_byte_in_a_later_one_is_cau
     split = engine(disk_dir / "b", PIECE, "fp32")
     try:
         assert [step(whole, s) for s in range(2)] == [step(split, s) for s in range(2)]
-        path, offset, numel, at, _ = split.store.alias.where["alias/0"][2]
+        path, offset, numel, at, *_ = split.store.alias.where["alias/0"][2]
         assert at == 598016
         with open(path, "r+b") as f:
             f.seek(offset + 8)
