@@ -37,6 +37,19 @@ def test_train_writes_metrics_and_a_plot_and_the_loss_falls(tmp_path, disk_dir):
     assert not (disk_dir / "infinity-swap").exists(), "swap files are removed at the end"
 
 
+def test_train_places_swap_files_across_two_disks_given_twice(tmp_path, disk_dir):
+    """--nvme-path once per disk: the run swaps through both directories (their bytes are in run.json) and
+    removes its files from both at the end."""
+    a, b = disk_dir / "a", disk_dir / "b"
+    out = train("--model", "gpt-tiny", "--steps", "2", "--out", str(tmp_path / "run"),
+                "--nvme-path", str(a), "--nvme-path", str(b))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"swap files in {a}, {b}" in out.stdout
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["swap_bytes_by_path"][str(a)] > 0 and run["swap_bytes_by_path"][str(b)] > 0
+    assert not (a / "infinity-swap").exists() and not (b / "infinity-swap").exists()
+
+
 @pytest.mark.slow
 def test_train_on_two_ranks_through_torchrun(tmp_path, disk_dir):
     out = train("--model", "gpt-tiny", "--steps", "3", "--nproc", "2", "--out", str(tmp_path / "run"),

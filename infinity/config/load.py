@@ -28,17 +28,18 @@ def as_config(config) -> Config:
     return config if isinstance(config, Config) else load_config(config if config is not None else {})
 
 
-def load_config(source, *, nvme_path: str | os.PathLike | None = None) -> Config:
+def load_config(source, *, nvme_path=None) -> Config:
     """Load a swap config from a path, a JSON string's file, or a dict.
 
-    `nvme_path` overrides both offload sections' `nvme_path` (the shipped
-    configs carry a placeholder, and `infinity train --nvme-path` sets it).
+    `nvme_path` (a directory, or a list of one per disk) overrides both offload sections' `nvme_path` (the
+    shipped configs carry a placeholder, and `infinity train --nvme-path` sets it).
     """
     raw, origin = _read(source)
     if not isinstance(raw, dict):
         raise ConfigError("", f"{origin}: the top level must be a JSON object, got {type(raw).__name__}")
     if nvme_path is not None:
-        raw = _override_nvme(raw, os.fspath(nvme_path))
+        paths = [os.fspath(p) for p in nvme_path] if isinstance(nvme_path, (list, tuple)) else os.fspath(nvme_path)
+        raw = _override_nvme(raw, paths[0] if isinstance(paths, list) and len(paths) == 1 else paths)
     notes = _Notes()
     cfg = _build(Config, raw, "", notes)
     cfg = dataclasses.replace(cfg, ignored=tuple(notes.ignored), auto=tuple(notes.auto), given=frozenset(notes.given),
@@ -117,7 +118,7 @@ def _read(source):
         raise ConfigError("", f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
 
 
-def _override_nvme(raw: dict, path: str) -> dict:
+def _override_nvme(raw: dict, path) -> dict:
     raw = copy.deepcopy(raw)  # the caller's dict stays as it was
     zero = raw.get("zero_optimization")
     if isinstance(zero, dict):

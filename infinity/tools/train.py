@@ -61,7 +61,9 @@ def add_arguments(p) -> None:
                    help="train LoRA adapters (peft) on the frozen base weights; the output is the adapter")
     p.add_argument("--merge-lora", action="store_true", help="with --lora: write the merged model instead")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's, at most 256)")
-    p.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temp dir, removed after)")
+    p.add_argument("--nvme-path", action="append", default=None,
+                   help="directory for swap files (default: a temp dir, removed after); give it once per disk to "
+                        "place the files across several")
     p.add_argument("--nproc", type=int, default=1, help="ranks to launch on this machine (gloo on CPU)")
     p.add_argument("--memory-budget", default=None,
                    help="plan the placement and buffers for this much host memory over the baseline (e.g. 8GiB); "
@@ -125,7 +127,7 @@ def run(args) -> int:
     own_nvme = args.nvme_path is None
     if own_nvme and os.environ.get("RANK", "0") == "0":
         _reclaim_dead_runs(os.environ.get("TMPDIR", "/var/tmp"))
-    nvme = args.nvme_path or tempfile.mkdtemp(prefix="infinity-train.", dir=os.environ.get("TMPDIR", "/var/tmp"))
+    nvme = args.nvme_path or [tempfile.mkdtemp(prefix="infinity-train.", dir=os.environ.get("TMPDIR", "/var/tmp"))]
     if own_nvme and user_config and os.environ.get("RANK", "0") == "0":
         _say_nvme_path_overridden(args.config, nvme)
     previous = signal.signal(signal.SIGTERM, _sigterm) if _main_thread() else None
@@ -140,10 +142,10 @@ def run(args) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if own_nvme:
-            shutil.rmtree(nvme, ignore_errors=True)
+            shutil.rmtree(nvme[0], ignore_errors=True)
 
 
-def _say_nvme_path_overridden(config: str, nvme: str) -> None:
+def _say_nvme_path_overridden(config: str, nvme: list) -> None:
     """--nvme-path (default: a temp dir removed at the end) wins over the config's nvme_path; said once, so a
     path the user wrote is never dropped without a word."""
     try:
@@ -151,10 +153,11 @@ def _say_nvme_path_overridden(config: str, nvme: str) -> None:
             zero = json.load(f).get("zero_optimization") or {}
     except (OSError, ValueError, AttributeError):
         return  # load_config reports a bad file later, with its own message
-    paths = sorted({(zero.get(k) or {}).get("nvme_path") for k in ("offload_param", "offload_optimizer")
-                    if isinstance(zero.get(k), dict) and zero[k].get("nvme_path")})
+    given = [zero[k]["nvme_path"] for k in ("offload_param", "offload_optimizer")
+             if isinstance(zero.get(k), dict) and zero[k].get("nvme_path")]
+    paths = sorted({str(p) for g in given for p in (g if isinstance(g, list) else [g])})
     if paths:
-        print(f"infinity train: swap files go to {nvme} (removed at the end), not the config's nvme_path "
+        print(f"infinity train: swap files go to {nvme[0]} (removed at the end), not the config's nvme_path "
               f"{', '.join(paths)}; pass --nvme-path DIR to choose", flush=True)
 
 
@@ -289,7 +292,7 @@ def _with_lr(args, cfg):
                                                                                                  lr=args.lr)))
 
 
-def _sized_config(args, nvme: str, largest: int):
+def _sized_config(args, nvme: list, largest: int):
     """The swap config, with nvme_path set and the parameter pool's buffers fitted to the model's largest
     parameter before zero_init builds the store (the optimizer's sizes are fitted at initialize)."""
     from infinity.config import load_config
@@ -348,7 +351,7 @@ def _die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the launcher is already gone
 
 
-def _train(args, out: Path, nvme: str) -> int:
+def _train(args, out: Path, nvme: list) -> int:
     import torch
 
     from infinity.engine.comm import init_distributed
@@ -379,7 +382,7 @@ def _train(args, out: Path, nvme: str) -> int:
 
         world_env = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         planned = make_plan(model=args.model if src.kind == "preset" else src.directory,
-                            memory_budget=args.memory_budget, nvme_path=nvme, config=args.config, micro=micro,
+                            memory_budget=args.memory_budget, nvme_path=nvme[0], config=args.config, micro=micro,
                             grad_accum=accum, seq=seq, nproc=world_env, split_batch=defaulted)
         cfg = load_config(planned[0].config)
         if (planned[0].micro_batch, planned[0].grad_accum) != (micro, accum):
@@ -511,7 +514,7 @@ def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, bas
               + (f" ({trained / 1e6:.2f}M trained: LoRA)" if args.lora else "") + f"; data: {data.describe()}; "
               f"{world} rank(s), batch {micro} x {world} x {accum} (micro x ranks x accumulation) x {seq} tokens, "
               f"{steps} steps; bf16={engine.config.bf16.enabled} fp16={engine.config.fp16.enabled}, params on "
-              f"{engine.store.tier}, optimizer on {engine.optimizer.tier}, swap files in {nvme}; writing {out}",
+              f"{engine.store.tier}, optimizer on {engine.optimizer.tier}, swap files in {', '.join(nvme)}; writing {out}",
               flush=True)
         if engine.fitted:
             print(engine.fitted, flush=True)
@@ -520,7 +523,8 @@ def _loop(args, out, engine, src, tokenizer, data, steps, seq, micro, accum, bas
                        "trained_numel": trained, "world": world, "micro_batch": micro, "accumulation": accum,
                        "seq": seq, "steps": steps, "param_tier": str(engine.store.tier),
                        "optimizer_tier": str(engine.optimizer.tier), "baseline_rss_bytes": baseline,
-                       "swap_bytes_after_setup": _dir_bytes(nvme), "load": load}, f, indent=2)
+                       "swap_bytes_after_setup": sum(_dir_bytes(d) for d in nvme),
+                       "swap_bytes_by_path": {d: _dir_bytes(d) for d in nvme}, "load": load}, f, indent=2)
     if args.save_dir:  # the engine holds it too, until it closes (re-entering the run's claim)
         from infinity.engine.comm import together
         from infinity.errors import DirectoryInUse
