@@ -30,7 +30,8 @@ from infinity.units import parse_count, parse_size
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--dir", required=True, help="directory on the disk that holds the swap files")
+    p.add_argument("--dir", required=True, action="append",
+                   help="directory on the disk that holds the swap files; once per disk for several")
     p.add_argument("--numel", default="250M", help="parameters (K/M/G = 1e3/1e6/1e9)")
     p.add_argument("--sub-group", default="25M", help="parameters per sub-group (one read + one write each)")
     p.add_argument("--buffer-count", type=int, default=3, help="pool buffers of 12 B x sub-group each")
@@ -48,20 +49,22 @@ def run(args) -> int:
     numel, group = parse_count(args.numel, name="--numel"), parse_count(args.sub_group, name="--sub-group")
     if numel < 1 or group < 1:
         raise SystemExit("bench swap: --numel and --sub-group must be >= 1")
-    if not os.path.isdir(args.dir):
-        raise SystemExit(f"bench swap: --dir {args.dir} is not a directory")
+    for d in args.dir:
+        if not os.path.isdir(d):
+            raise SystemExit(f"bench swap: --dir {d} is not a directory")
     block = parse_size(args.block_size, name="--block-size")
     numels = [min(group, numel - lo) for lo in range(0, numel, group)]
     baseline = rss_bytes()
     pool = BufferPool(args.buffer_count, 12 * max(numels))
-    aio = AsyncIO(backend=args.backend, block_size=block, queue_depth=args.queue_depth)
+    aios = [AsyncIO(backend=args.backend, block_size=block, queue_depth=args.queue_depth) for _ in args.dir]
+    aio = aios[0]
     grad = torch.randn(max(numels)).to(torch.bfloat16)  # one shared gradient buffer: the bench times the state
     trace = Trace()
     if not args.json:
         print(f"# bench swap: numel={numel} groups={len(numels)} x {max(numels)} pool={args.buffer_count} x "
               f"{pool.size / 1e6:.0f} MB backend={aio.backend} block={block} qd={args.queue_depth} "
-              f"checksums={not args.no_checksums}", flush=True)
-    with TensorSwapper(args.dir, pool, aio, checksums=not args.no_checksums) as sw:
+              f"checksums={not args.no_checksums} disks={len(args.dir)}", flush=True)
+    with TensorSwapper(args.dir, pool, aios, checksums=not args.no_checksums) as sw:
         opt = OptimizerSwapper(sw, numels, trace=trace)
         g = torch.Generator().manual_seed(0)
         for i, n in enumerate(numels):
@@ -76,14 +79,16 @@ def run(args) -> int:
         io_bytes = stats.bytes_read + stats.bytes_written
         if args.trace:
             trace.export(args.trace)
-    aio.close()
+    for a in aios:
+        a.close()
     bound, fio_r, fio_w = _io_bound(args, stats.bytes_read, stats.bytes_written, block)
     inram = None if args.no_inram else _inram_step(numels, grad)
     row = {"numel": numel, "step_s": step_s, "io_bytes": io_bytes, "io_bound_s": bound,
            "ratio": step_s / bound if bound else None, "inram_step_s": inram, "peak_rss_bytes": rss.peak,
            "pool_bytes": pool.nbytes, "baseline_rss_bytes": baseline, "grad_bytes": grad.numel() * 2,
            "exposed_io_s": stats.io_wait_s, "compute_s": stats.compute_s, "fio_read_gbps": fio_r,
-           "fio_write_gbps": fio_w, "steps": times}
+           "fio_write_gbps": fio_w, "steps": times, "disks": len(args.dir),
+           "io_gbps": io_bytes / step_s / 1e9}
     if args.json:
         print(json.dumps(row))
         return 0
@@ -106,7 +111,7 @@ def _io_bound(args, read_bytes, write_bytes, block):
         return None, None, None
     backend = args.backend if args.backend in ("libaio", "io_uring", "threads") else "libaio"
     size = 1 << 30
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir[0]) as tmp:  # the first disk's bandwidth
         path = os.path.join(tmp, "fio.dat")
         kw = dict(path=path, size=size, backend=backend, block_size=block, queue_depth=args.queue_depth,
                   threads=1, direct=True)

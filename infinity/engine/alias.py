@@ -49,28 +49,30 @@ import torch
 
 from infinity.errors import SwapCorruptionError
 from infinity.io.checksum import crc32c, crc32c_combine
-from infinity.swap.swapper import HEADER, wait_all
+from infinity.swap.swapper import wait_all, wait_all_quietly
 
 PENDING = -1  # no CRC-32C is negative: the shard's new values are not known to be in its file yet
 
 
 class _SliceFuture:
-    """The read of one shard: one read per piece (one, unless the shard is split over sub-groups), each
-    checked against its own CRC-32C."""
+    """The read of one shard: one read per piece (one, unless the shard is split over sub-groups; a piece over
+    two chunks of a striped file is two), each piece checked against its own CRC-32C."""
 
     def __init__(self, reader, sid, reads, view):
         self._reader, self._sid, self._reads, self._view = reader, sid, reads, view
 
     def wait(self):
         try:
-            wait_all(fut for fut, _, _ in self._reads)  # every read lands before the buffer can go back
-            for fut, expected, path in self._reads:
+            wait_all(f for futs, *_ in self._reads for f in futs)  # every read lands before the buffer goes back
+            for futs, lengths, expected, path in self._reads:
                 if expected == PENDING:
                     raise RuntimeError(f"{self._sid}: the last write of its optimizer sub-group ({path}) never "
                                        "completed (an earlier error), so the file holds older weights than the "
                                        "optimizer; restart from a checkpoint")
                 if expected is not None:
-                    actual = fut.crc32c()  # taken by the I/O thread that finished the read
+                    actual = futs[0].crc32c()  # taken by the I/O thread that finished the read
+                    for fut, n in zip(futs[1:], lengths[1:]):  # a piece over two chunks of a striped file
+                        actual = crc32c_combine(actual, fut.crc32c(), n)
                     if actual != expected:
                         raise SwapCorruptionError(path, self._sid, expected, actual)
         except BaseException:
@@ -106,7 +108,8 @@ class OptimizerSliceReader:
         self.checksums = store.swap.swapper.checksums
         self.dtype = dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        # sid -> its pieces, in order: (path, byte offset, elements, at, key, its disk's aio or None: self.aio)
+        # sid -> its pieces, in order: (the group's swapper, its partition id, byte offset in the partition's
+        # content, elements, at, key); the files and offsets come from swapper.extents when read
         self.where: dict[str, list] = {}
         self.crc: dict[str, int] = {}  # by piece key
         self._held: dict = {}
@@ -119,15 +122,21 @@ class OptimizerSliceReader:
         for a whole shard; see [Note: a large shard is split over sub-groups of its own] in optimizer.py)."""
         return sid if at == 0 else f"{sid}@{at}"
 
-    def place(self, sid: str, path: str, offset: int, numel: int, *, at: int = 0, aio=None) -> None:
-        """Shard `sid`'s elements [at, at + numel) are values of self.dtype at byte `offset` of the group file
-        `path`'s data (after its header), read through `aio` (the handle of that file's disk; default the
-        store's). Pieces are placed in order; at 0 starts the shard afresh."""
-        piece = (path, HEADER + offset, numel, at, self.key(sid, at), aio)
+    def place(self, sid: str, swapper, part_id: str, offset: int, numel: int, *, at: int = 0) -> None:
+        """Shard `sid`'s elements [at, at + numel) are values of self.dtype at byte `offset` of the content of
+        sub-group partition `part_id` of `swapper` (the optimizer's; one file, or chunks on several disks:
+        [Note: several NVMe paths] in swap/swapper.py). Pieces are placed in order; at 0 starts the shard
+        afresh."""
+        piece = (swapper, part_id, offset, numel, at, self.key(sid, at))
         if at == 0:
             self.where[sid] = [piece]
         else:
             self.where[sid].append(piece)
+
+    def files_of(self, sid: str) -> list[tuple[str, int, int]]:
+        """(path, file offset, bytes) of each stretch of file that holds shard `sid`, in order."""
+        return [(path, off, n) for swapper, part_id, offset, numel, _, _ in self.where[sid]
+                for _, path, off, _, n in swapper.extents(part_id, offset, offset + numel * self.itemsize)]
 
     def record(self, sid: str, values: torch.Tensor) -> None:
         """The optimizer just produced this shard's new values (they are about to be written)."""
@@ -226,7 +235,7 @@ class OptimizerSliceReader:
         if partial is not None:  # not every piece was staged (a walk settled without staging): the file has them
             self.pool.release(partial[0])
         pieces = self.where[sid]
-        need = (pieces[-1][3] + pieces[-1][2]) * self.itemsize
+        need = (pieces[-1][4] + pieces[-1][3]) * self.itemsize
         buf = (self.pool.try_acquire(f"read {sid}", reserve=reserve, nbytes=need) if prefetch
                else self.pool.acquire(f"read {sid}", nbytes=need))
         if buf is None:
@@ -234,20 +243,24 @@ class OptimizerSliceReader:
         self._held[sid] = buf
         reads = []
         try:
-            for path, offset, numel, at, key, aio in pieces:
+            for swapper, part_id, offset, numel, at, key in pieces:
                 expected = self.crc.get(key)
-                fut = (aio or self.aio).pread(buf.tensor[at * self.itemsize:], path, offset, nbytes=numel * self.itemsize,
-                                     checksum=expected not in (None, PENDING))
-                reads.append((fut, expected, path))
+                check = expected not in (None, PENDING)
+                futs, lengths, first = [], [], None
+                for aio, path, file_offset, start, n in swapper.extents(part_id, offset,
+                                                                        offset + numel * self.itemsize):
+                    # With one disk, through the store's own handle: a queue beside the optimizer's.
+                    aio = aio if len(swapper.aios) > 1 else self.aio
+                    pos = at * self.itemsize + start - offset
+                    futs.append(aio.pread(buf.tensor[pos:], path, file_offset, nbytes=n, checksum=check))
+                    lengths.append(n)
+                    first = first or path
+                reads.append((futs, lengths, expected, first))
         except BaseException:
-            for fut, _, _ in reads:  # the buffer goes back only once nothing reads into it
-                try:
-                    fut.wait()
-                except BaseException:  # noqa: BLE001 - the submission error is the one raised
-                    pass
+            wait_all_quietly(f for futs, *_ in reads for f in futs)  # the buffer goes back once nothing reads it
             self.release(sid)
             raise
-        total = pieces[-1][3] + pieces[-1][2]
+        total = pieces[-1][4] + pieces[-1][3]
         return _SliceFuture(self, sid, reads, buf.view(self.dtype, total))
 
     def release(self, sid: str, **_) -> None:

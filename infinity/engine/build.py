@@ -126,8 +126,8 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> tupl
     if off_o.tier is Tier.NVME:  # a file per sub-group, each with a header: counted once per trained shard
         per = state_bytes(MOMENT_DTYPES[off_o.moments_dtype]) + (store.dtype.itemsize if tail else 0)
         opt_bytes = sum(HEADER + per * part[k] for k in trained)
-    # Several nvme_paths: the files are placed round-robin ([Note: several NVMe paths] in swap/swapper.py), so a
-    # path takes its share of the bytes plus at most one file more than an even share.
+    # Several nvme_paths: the files are striped or placed in turn ([Note: several NVMe paths] in
+    # swap/swapper.py), so a path takes its share of the bytes and a bounded excess (_share).
     ppaths = zero.offload_param.paths if fp32_files else ()
     opaths = off_o.paths if opt_bytes else ()
     largest_param = HEADER + 4 * max((part[k] for k in params), default=0)
@@ -137,12 +137,12 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> tupl
     fs: dict = {}  # st_dev -> {the first path on it (the optimizer's when both are), and its bytes}
     for k, path in enumerate(opaths):
         e = _filesystem(fs, path)
-        e["opt"] += _share(opt_bytes, len(opaths), largest_group)
+        e["opt"] += _share(opt_bytes, len(opaths), largest_group, len(trained))
         e["slots"].append(k)
     for path in ppaths:
         e = _filesystem(fs, path)
-        e["fp32"] += _share(fp32_files, len(ppaths), largest_param)
-        e["final"] += _share(final, len(ppaths), largest_param)
+        e["fp32"] += _share(fp32_files, len(ppaths), largest_param, len(params))
+        e["final"] += _share(final, len(ppaths), largest_param, len(params))
         e["existing"] += max(0, existing // len(ppaths) - (largest_param if len(ppaths) > 1 else 0))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host share its disks
     out = []
@@ -162,9 +162,11 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> tupl
     return tuple(out)
 
 
-def _share(total: int, paths: int, largest_file: int) -> int:
-    """The most bytes of `total` one of `paths` directories can take with files placed round-robin."""
-    return total if paths == 1 else min(total, -(-total // paths) + largest_file)
+def _share(total: int, paths: int, largest_file: int, files: int) -> int:
+    """The most bytes of `total` (in `files` files) one of `paths` directories can take: whole files in turn
+    (at most one file more than an even share), or striped (each chunk file a header's room and 4 KiB of
+    rounding more); see [Note: several NVMe paths] in swap/swapper.py."""
+    return total if paths == 1 else -(-total // paths) + largest_file + 2 * HEADER * files
 
 
 def _filesystem(fs: dict, path: str) -> dict:

@@ -298,11 +298,8 @@ class ShardedAdam(torch.optim.Optimizer):
             if views.lowp is not None:
                 views.lowp.copy_(views.param)
             for mp, off, lo, hi in g.entries():
-                # With several disks, a shard is read through its file's disk's handle; with one, through the
-                # store's own handle, a queue beside the optimizer's ([Note: several NVMe paths] in swapper.py).
-                disks = g.state.swapper
-                reader.place(slice_id(mp), g.state.path, base + reader.itemsize * off, hi - lo, at=lo,
-                             aio=disks.aio_of(g.state.id) if len(disks.aios) > 1 else None)
+                reader.place(slice_id(mp), g.state.swapper, g.state.id, base + reader.itemsize * off, hi - lo,
+                             at=lo)
                 reader.record(reader.key(slice_id(mp), lo), shards[off:off + hi - lo])
 
         StatePipeline(Mode.FILL).over(self._states(), first)

@@ -306,14 +306,16 @@ def plan_offload(cfg: Config, store, by_group: list[list], *, disk: tuple = (),
 
 
 def _exact_state_files(disk: tuple, sub_groups: list, per: int, paths: int) -> tuple:
-    """`disk` with the optimizer's bytes those of the files the sub-groups on NVMe write: one each, its header
-    and `per` bytes per parameter, the j-th on path j mod `paths` ([Note: several NVMe paths] in
-    swap/swapper.py)."""
-    from infinity.swap.swapper import HEADER
+    """`disk` with the optimizer's bytes those of the files the sub-groups on NVMe write: the j-th group's
+    `per` bytes per parameter, first in turn j, in one file or striped over the paths, each file with its
+    header's room (chunk_layout, [Note: several NVMe paths] in swap/swapper.py)."""
+    from infinity.swap.swapper import HEADER, chunk_layout
 
-    files = [HEADER + g.numel * per for g in sub_groups if g.tier is Tier.NVME]
-    return tuple(dataclasses.replace(d, optimizer_bytes=sum(n for j, n in enumerate(files)
-                                                            if j % max(paths, 1) in d.optimizer_slots))
+    on = [0] * max(paths, 1)
+    for j, g in enumerate(g for g in sub_groups if g.tier is Tier.NVME):
+        for k, lo, hi in chunk_layout(g.numel * per, max(paths, 1), j):
+            on[k] += HEADER + hi - lo
+    return tuple(dataclasses.replace(d, optimizer_bytes=sum(on[k] for k in d.optimizer_slots))
                  if d.optimizer_slots else d for d in disk)
 
 

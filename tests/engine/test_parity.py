@@ -217,7 +217,7 @@ def test_nvme_moves_28_bytes_per_parameter_and_detects_a_flipped_byte(disk_dir, 
         if e == 2:  # the trained shards have no files of their own
             assert not list(Path(engine.store.swap.swapper.dir).glob("*.swp"))
         mp = engine.store.params[5]
-        path, offset, *_ = engine.store.alias.where[f"alias/{mp.index}"][0]  # its first (or only) piece
+        path, offset, _ = engine.store.alias.files_of(f"alias/{mp.index}")[0]  # its first (or only) piece
         with open(path, "r+b") as f:
             f.seek(offset + 4)
             byte = f.read(1)

@@ -12,10 +12,21 @@ from pathlib import Path
 
 import pytest
 
+import infinity
+import infinity.swap.swapper as swapper_module
 from infinity.config import ConfigError
 from infinity.testing.parity import engine_config, engine_losses, gpt_engine, train_step
 
 BF16 = {"bf16.enabled": True, "zero_optimization.sub_group_size": 8192}
+
+
+@pytest.fixture(params=["whole files", "striped"])
+def striped(request, monkeypatch):
+    """Both layouts on this test's small model: files placed whole in turn, or striped (MIN_STRIPE lowered to
+    4 KiB so that the sub-groups' ~115 KB files are cut into a chunk per disk)."""
+    if request.param == "striped":
+        monkeypatch.setattr(swapper_module, "MIN_STRIPE", 4096)
+    return request.param == "striped"
 
 
 def _with_paths(cfg: dict, paths: list) -> dict:
@@ -28,7 +39,7 @@ def _swp(root) -> dict:
     return {str(p): p.stat().st_size for p in Path(root).rglob("*.swp")}
 
 
-def test_two_directories_train_bit_for_bit_as_one_and_share_the_files(tmp_path):
+def test_two_directories_train_bit_for_bit_as_one_and_share_the_files(tmp_path, striped):
     one = engine_losses(engine_config("nvme", tmp_path / "one", **BF16), 4)
     a, b = tmp_path / "a", tmp_path / "b"
     e = gpt_engine(_with_paths(engine_config("nvme", tmp_path, **BF16), [a, b]))
@@ -38,8 +49,13 @@ def test_two_directories_train_bit_for_bit_as_one_and_share_the_files(tmp_path):
         groups = e.plan.sub_groups
         on_a = [f for f in _swp(a) if "/optim_" in f]
         on_b = [f for f in _swp(b) if "/optim_" in f]
-        assert len(groups) > 4 and len(on_a) + len(on_b) == len(groups)
-        assert abs(len(on_a) - len(on_b)) <= 1, (len(on_a), len(on_b))  # placed in turn
+        assert len(groups) > 4
+        if striped:  # a group of at least 2 x MIN_STRIPE bytes (14 B a parameter) is a chunk on each disk
+            cut = sum(1 for g in groups if g.numel * 14 >= 2 * 4096)
+            assert cut > len(groups) // 2 and len([f for f in on_a + on_b if f.endswith(".1.swp")]) == cut
+            assert len(on_a) + len(on_b) == len(groups) + cut and abs(len(on_a) - len(on_b)) <= 1
+        else:  # placed in turn
+            assert len(on_a) + len(on_b) == len(groups) and abs(len(on_a) - len(on_b)) <= 1, (on_a, on_b)
         assert (a / "infinity-swap" / "rank0" / "owner.pid").exists() and (b / "infinity-swap" / "rank0").is_dir()
     finally:
         e.close()
@@ -48,7 +64,7 @@ def test_two_directories_train_bit_for_bit_as_one_and_share_the_files(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: a second filesystem is needed")
-def test_the_plan_holds_each_filesystems_bytes_exactly(tmp_path):
+def test_the_plan_holds_each_filesystems_bytes_exactly(tmp_path, striped):
     """One directory on the test's disk, one on tmpfs (direct I/O off: tmpfs has no O_DIRECT): two
     filesystems, each with the bytes of the optimizer files placed on it, to the byte."""
     shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
@@ -69,6 +85,28 @@ def test_the_plan_holds_each_filesystems_bytes_exactly(tmp_path):
             e.close()
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_corrupted_byte_in_a_later_chunk_is_caught(tmp_path, monkeypatch):
+    """Striped: a byte flipped in a chunk other than the header's is caught by the combined checksum of the
+    read (the group's own, or a shard's read by forward)."""
+    monkeypatch.setattr(swapper_module, "MIN_STRIPE", 4096)
+    a, b = tmp_path / "a", tmp_path / "b"
+    e = gpt_engine(_with_paths(engine_config("nvme", tmp_path, **BF16), [a, b]))
+    try:
+        train_step(e, 0)
+        e.optimizer.settle()
+        chunk = sorted(f for f in {**_swp(a), **_swp(b)} if f.endswith(".1.swp") and "/optim_" in f)[0]
+        with open(chunk, "r+b") as f:
+            f.seek(swapper_module.HEADER + 100)
+            byte = f.read(1)
+            f.seek(swapper_module.HEADER + 100)
+            f.write(bytes([byte[0] ^ 0x10]))
+        with pytest.raises(infinity.SwapCorruptionError, match="is corrupted"):
+            for s in range(1, 4):
+                train_step(e, s)
+    finally:
+        e.close()
 
 
 def test_a_full_disk_among_the_paths_is_refused_by_name(tmp_path, monkeypatch):
