@@ -245,20 +245,22 @@ def test_a_model_too_big_for_the_disk_fails_before_writing_and_leaves_nothing(tm
                         else real(p))
     with pytest.raises(ConfigError) as ei:
         initialize(Tiny(), cfg)
+    # 49 parameters in 4 tensors: a file each, each with its 4 KiB header; 4 B/param for the parameters, 12 for
+    # the optimizer's master and moments.
     assert str(ei.value) == (f"zero_optimization.offload_param.nvme_path: {nvme} has 100 bytes free, but "
-                             "the swap files of this host's ranks need 784 (196 for parameters, 588 for the optimizer); free space "
-                             "there or point nvme_path at a bigger disk")
+                             "the swap files of this host's ranks need 33,552 (16,580 for parameters, 16,972 for the "
+                             "optimizer); free space there or point nvme_path at a bigger disk")
     assert not any(nvme.rglob("*.swp")) and not [f for f in nvme.rglob("*") if f.is_file()]
     # bf16 with bf16 moments: 8 B/param of optimizer state and 2 B/param of compute copies, which live in the
     # optimizer files' tails ([Note: compute-dtype shards in the optimizer file]); the fp32 files go as each
     # sub-group reads them ([Note: swap files during setup]), so they never add to the state.
     cfg["bf16"] = {"enabled": True}
     cfg["zero_optimization"]["offload_optimizer"]["moments_dtype"] = "bf16"
-    with pytest.raises(ConfigError, match=r"need 490 \(0 for parameters, 490 for the optimizer\)"):
+    with pytest.raises(ConfigError, match=r"need 16,874 \(0 for parameters, 16,874 for the optimizer\)"):
         initialize(Tiny(), cfg)
     # With the optimizer in RAM the copies are the parameters' own files, beside nothing else.
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    with pytest.raises(ConfigError, match=r"need 196 \(196 for parameters, 0 for the optimizer\)"):
+    with pytest.raises(ConfigError, match=r"need 16,580 \(16,580 for parameters, 0 for the optimizer\)"):
         initialize(Tiny(), cfg)
     assert not [f for f in nvme.rglob("*") if f.is_file()]
 
