@@ -406,17 +406,20 @@ def existing_ancestor(path: str) -> str:
 
 
 def check_free_space(cfg: Config, needed_bytes: int) -> None:
-    """Raise if the nvme_path filesystems cannot hold `needed_bytes` of swap files (the engine calls this)."""
+    """Raise if the nvme_path filesystems cannot hold `needed_bytes` of swap files between them (spread evenly
+    over several paths). A quick check for scripts; initialize checks each filesystem's own need itself."""
     import shutil
 
     for name in ("offload_param", "offload_optimizer"):
         section = getattr(cfg.zero_optimization, name)
         if section.device == "nvme":
-            free = shutil.disk_usage(existing_ancestor(section.nvme_path)).free
-            if free < needed_bytes:
-                raise ConfigError(f"zero_optimization.{name}.nvme_path",
-                                  f"{section.nvme_path} has {free / 1e9:.1f} GB free but the swap files need "
-                                  f"{needed_bytes / 1e9:.1f} GB; free space or choose a bigger disk")
+            share = -(-needed_bytes // len(section.paths))
+            for path in section.paths:
+                free = shutil.disk_usage(existing_ancestor(path)).free
+                if free < share:
+                    raise ConfigError(f"zero_optimization.{name}.nvme_path",
+                                      f"{path} has {free / 1e9:.1f} GB free but the swap files need "
+                                      f"{share / 1e9:.1f} GB there; free space or choose a bigger disk")
 
 
 def check_buffer_size(cfg: Config, largest_partition_numel: int) -> None:

@@ -49,7 +49,7 @@ import torch
 
 from infinity.errors import SwapCorruptionError
 from infinity.io.checksum import crc32c, crc32c_combine
-from infinity.swap.swapper import wait_all, wait_all_quietly
+from infinity.swap.swapper import combined_crc, read_extents, wait_all, wait_all_quietly
 
 PENDING = -1  # no CRC-32C is negative: the shard's new values are not known to be in its file yet
 
@@ -70,9 +70,7 @@ class _SliceFuture:
                                        "completed (an earlier error), so the file holds older weights than the "
                                        "optimizer; restart from a checkpoint")
                 if expected is not None:
-                    actual = futs[0].crc32c()  # taken by the I/O thread that finished the read
-                    for fut, n in zip(futs[1:], lengths[1:]):  # a piece over two chunks of a striped file
-                        actual = crc32c_combine(actual, fut.crc32c(), n)
+                    actual = combined_crc(futs, lengths)  # a piece over two chunks of a striped file: both
                     if actual != expected:
                         raise SwapCorruptionError(path, self._sid, expected, actual)
         except BaseException:
@@ -245,19 +243,14 @@ class OptimizerSliceReader:
         try:
             for swapper, part_id, offset, numel, at, key in pieces:
                 expected = self.crc.get(key)
-                check = expected not in (None, PENDING)
-                futs, lengths, first = [], [], None
-                for aio, path, file_offset, start, n in swapper.extents(part_id, offset,
-                                                                        offset + numel * self.itemsize):
-                    # With one disk, through the store's own handle: a queue beside the optimizer's.
-                    aio = aio if len(swapper.aios) > 1 else self.aio
-                    pos = at * self.itemsize + start - offset
-                    futs.append(aio.pread(buf.tensor[pos:], path, file_offset, nbytes=n, checksum=check))
-                    lengths.append(n)
-                    first = first or path
-                reads.append((futs, lengths, expected, first))
-        except BaseException:
-            wait_all_quietly(f for futs, *_ in reads for f in futs)  # the buffer goes back once nothing reads it
+                extents = [(aio, path, file_offset, at * self.itemsize + start - offset, n) for aio, path,
+                           file_offset, start, n in swapper.extents(part_id, offset, offset + numel * self.itemsize)]
+                # With one disk, through the store's own handle: a queue beside the optimizer's.
+                futs, lengths = read_extents(extents, buf.tensor, checksum=expected not in (None, PENDING),
+                                             aio=None if len(swapper.aios) > 1 else self.aio)
+                reads.append((futs, lengths, expected, " and ".join(e[1] for e in extents)))
+        except BaseException:  # this piece's submitted reads have landed (read_extents); the others' too, now
+            wait_all_quietly(f for futs, *_ in reads for f in futs)
             self.release(sid)
             raise
         total = pieces[-1][4] + pieces[-1][3]

@@ -77,12 +77,13 @@ class GradientBuckets:
             previous, self._in_flight = self._in_flight, None
             self._land(previous)
 
-    def discard(self) -> None:
+    def discard(self, *, wait: bool = True) -> None:
         """Forget what a backward left unfinished (its state was replaced, or it failed): the open bucket is
-        dropped, and a reduce-scatter in flight is waited for (every rank started it) and lands nowhere."""
+        dropped, and a reduce-scatter in flight lands nowhere; it is waited for (every rank started it) unless
+        `wait` is False (the process group has failed)."""
         self._bucket, self._elements = [], 0
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
+        if in_flight is not None and wait:
             in_flight[0].wait()
 
     def _land(self, in_flight) -> None:

@@ -13,8 +13,9 @@ from infinity.config.load import existing_ancestor
 from infinity.engine import lifetime
 from infinity.engine.comm import Comm, together
 from infinity.engine.params import ParamStore, managed
-from infinity.engine.plan import FLOOR, SUB_GROUP, DiskNeed, fit_param_buffer, written
+from infinity.engine.plan import DiskNeed, fit_param_buffer
 from infinity.swap.state import MOMENT_DTYPES, state_bytes
+from infinity.swap import swapper as swap_files
 from infinity.swap.swapper import HEADER
 from infinity.swap.tier import HOST, Tier
 
@@ -105,7 +106,10 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> tupl
     # files already written under zero_init take now (free space excludes them). With the copies in the
     # tail (bf16/fp16, both on NVMe, no max_in_cpu, ratio 1: [Note: compute-dtype shards in the optimizer
     # file]) the trained ones are on the optimizer's filesystem.
-    fp32_files = existing = final = opt_bytes = per = 0
+    fp32: list = []  # content bytes of each parameter file in fp32 (each file also has a header)
+    existing = 0
+    final: list = []
+    opt: list = []
     off_o = zero.offload_optimizer
     tail = (store.tier is Tier.NVME and store.dtype != torch.float32 and off_o.tier is Tier.NVME
             and zero.offload_param.max_in_cpu == 0 and off_o.ratio >= 1)
@@ -115,35 +119,29 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> tupl
             mp = managed(p)
             if mp is None:
                 if k in trained or p.is_floating_point():
-                    fp32_files += HEADER + 4 * part[k]  # adopted now, in fp32; each file has a header
+                    fp32.append(4 * part[k])  # adopted now, in fp32
             elif mp.home is store.nvme and not mp.unwritten:
-                fp32_files += HEADER + 4 * part[k]
+                fp32.append(4 * part[k])
                 existing += HEADER + 4 * part[k]
         # fp32 compute keeps the fp32 files (with alias mode they are removed once the optimizer file holds
         # the shards: counting them is conservative).
-        final = sum(HEADER + compute * part[k] for k in params if not (tail and k in trained)) if compute != 4 \
-            else fp32_files
-    if off_o.tier is Tier.NVME:  # a file per sub-group, each with a header: counted once per trained shard
+        final = [compute * part[k] for k in params if not (tail and k in trained)] if compute != 4 else fp32
+    if off_o.tier is Tier.NVME:  # a file per sub-group: bounded here by a file per trained shard (see _room)
         per = state_bytes(MOMENT_DTYPES[off_o.moments_dtype]) + (store.dtype.itemsize if tail else 0)
-        opt_bytes = sum(HEADER + per * part[k] for k in trained)
-    # Several nvme_paths: the files are striped or placed in turn ([Note: several NVMe paths] in
-    # swap/swapper.py), so a path takes its share of the bytes and a bounded excess (_share).
-    ppaths = zero.offload_param.paths if fp32_files else ()
-    opaths = off_o.paths if opt_bytes else ()
-    largest_param = HEADER + 4 * max((part[k] for k in params), default=0)
-    largest_shard = max((part[k] for k in trained), default=0)
-    group = zero.sub_group_size if written(cfg, SUB_GROUP) else max(largest_shard, FLOOR)  # at most (plan.py)
-    largest_group = HEADER + per * max(group, largest_shard)
+        opt = [per * part[k] for k in trained]
+    ppaths = zero.offload_param.paths if fp32 else ()
+    opaths = off_o.paths if opt else ()
     fs: dict = {}  # st_dev -> {the first path on it (the optimizer's when both are), and its bytes}
     for k, path in enumerate(opaths):
         e = _filesystem(fs, path)
-        e["opt"] += _share(opt_bytes, len(opaths), largest_group, len(trained))
+        e["opt"] += _room(opt, len(opaths))
         e["slots"].append(k)
     for path in ppaths:
         e = _filesystem(fs, path)
-        e["fp32"] += _share(fp32_files, len(ppaths), largest_param, len(params))
-        e["final"] += _share(final, len(ppaths), largest_param, len(params))
-        e["existing"] += max(0, existing // len(ppaths) - (largest_param if len(ppaths) > 1 else 0))
+        e["fp32"] += _room(fp32, len(ppaths))
+        e["final"] += _room(final, len(ppaths))
+        # With several paths, which of them holds zero_init's files is not known here: none is counted.
+        e["existing"] += existing if len(ppaths) == 1 else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host share its disks
     out = []
     for e in fs.values():
@@ -162,11 +160,15 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> tupl
     return tuple(out)
 
 
-def _share(total: int, paths: int, largest_file: int, files: int) -> int:
-    """The most bytes of `total` (in `files` files) one of `paths` directories can take: whole files in turn
-    (at most one file more than an even share), or striped (each chunk file a header's room and 4 KiB of
-    rounding more); see [Note: several NVMe paths] in swap/swapper.py."""
-    return total if paths == 1 else -(-total // paths) + largest_file + 2 * HEADER * files
+def _room(sizes: list, paths: int) -> int:
+    """The most bytes one of `paths` directories can take for files of these content sizes, each with its
+    header ([Note: several NVMe paths] in swap/swapper.py): all of them with one path; else a striped file's
+    chunk (its share, rounded up to 4 KiB) and every file too small to stripe, wherever the turn puts it.
+    Shards packed into larger sub-groups only stripe more, so a file per shard bounds the optimizer's."""
+    if paths == 1:
+        return sum(HEADER + n for n in sizes)
+    return sum(HEADER + (-(-(-(-n // paths)) // 4096) * 4096 if n >= paths * swap_files.MIN_STRIPE else n)
+               for n in sizes)
 
 
 def _filesystem(fs: dict, path: str) -> dict:

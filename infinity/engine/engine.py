@@ -136,10 +136,12 @@ class Engine(ModuleSurface, DeepSpeedSurface):
             self.optimizer.flush_grads()
             if overlap:
                 self._overlapped = self.optimizer.end_overlapped_step()
-        except BaseException:
-            if not overlap:
-                self.optimizer.expect_step(False)  # the reads read_ahead_for_step started go back
-            self.optimizer.backward_failed()
+        except BaseException as exc:
+            try:
+                if not overlap:
+                    self.optimizer.expect_step(False)  # the reads read_ahead_for_step started go back
+            finally:
+                self.optimizer.backward_failed(exc)
             raise
         finally:
             if overlap:

@@ -393,12 +393,15 @@ class ShardedAdam(torch.optim.Optimizer):
                 self._new_grad(g)
         return [g.grad for g in self.groups]
 
-    def backward_failed(self) -> None:
-        """A backward raised part-way: what it had not yet landed (the open bucket, a reduce-scatter in
-        flight) is dropped, or the next backward would send it with its own. A collective that cannot finish
-        (a rank died) must not hide the error that ended backward: it is logged, and that error goes on."""
+    def backward_failed(self, error: BaseException) -> None:
+        """A backward raised part-way (`error`): what it had not yet landed (the open bucket, a reduce-scatter
+        in flight) is dropped, or the next backward would send it with its own. After a failed collective (a
+        rank died or hung) the one in flight is not waited for: that would take another comm timeout before
+        `error` is raised. Otherwise a collective that cannot finish must not hide `error`: it is logged."""
+        from infinity.errors import RankFailure
+
         try:
-            self.buckets.discard()
+            self.buckets.discard(wait=not isinstance(error, RankFailure))
         except Exception as exc:  # noqa: BLE001 - the backward's own error is the one raised
             log.warning("infinity: after the failed backward, its reduce-scatter in flight failed too: %s", exc)
 

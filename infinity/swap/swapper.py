@@ -7,6 +7,7 @@ nvme_paths, each file is under one of them: [Note: several NVMe paths]):
   bytes [4096, 4096+B) the partition's raw little-endian bytes (C-order), B = numel x element size
   bytes [4096+B, 4096+B+T) a write-only tail, when the header has "tail_nbytes": T (Partition.tail_nbytes);
                        swap_in never reads it and "crc32c" does not cover it
+  striped over D > 1 disks, the header also has "disks": D, and the file holds the first chunk only
 The directory also holds `owner.pid`, flocked by the swapper that owns it
 ([Note: directories are owned through flock] in infinity/dirlock.py). A
 directory whose lock is free holds leftovers of a crashed run: `leftovers="clear"` removes them, `"reuse"`
@@ -135,6 +136,31 @@ def chunk_layout(nbytes: int, disks: int, first: int) -> list[tuple[int, int, in
         return [(first % disks, 0, nbytes)]
     size = -(-(-(-nbytes // disks)) // 4096) * 4096
     return [((first + k) % disks, lo, min(nbytes, lo + size)) for k, lo in enumerate(range(0, nbytes, size))]
+
+
+def read_extents(extents, into: torch.Tensor, *, checksum: bool, aio=None) -> tuple[list, list]:
+    """Submit a read of each extent ((AsyncIO, path, file offset, byte in `into`, bytes), as
+    TensorSwapper.extents gives them, with the byte made relative to `into`), through its own handle or `aio`;
+    (futures, lengths). If a submission fails, the reads already submitted are waited for before the error
+    goes on: the caller may then hand `into` back."""
+    futs, lengths = [], []
+    try:
+        for handle, path, offset, at, n in extents:
+            futs.append((aio or handle).pread(into[at:], path, offset, nbytes=n, checksum=checksum))
+            lengths.append(n)
+    except BaseException:
+        wait_all_quietly(futs)
+        raise
+    return futs, lengths
+
+
+def combined_crc(futs, lengths) -> int:
+    """The CRC-32C of the bytes the reads `futs` (of `lengths` bytes, in order) took, each taken by the I/O
+    thread that finished it ([Note: checksum on completion]); 0 for no bytes."""
+    crc = 0
+    for fut, n in zip(futs, lengths):
+        crc = crc32c_combine(crc, fut.crc32c(), n)
+    return crc
 
 
 def wait_all_quietly(futures) -> None:
@@ -309,6 +335,8 @@ class TensorSwapper:
             with open(path, "rb") as f:
                 head = json.loads(f.read(HEADER).decode("utf-8"))
             if head.get("magic") != "infinity-swap" or head.get("dtype") not in BY_NAME:
+                return False
+            if head.get("disks", 1) != len(self.dirs):  # striped over another number of disks: not this layout
                 return False
             self.registry.register(head["id"], dtype=BY_NAME[head["dtype"]], numel=int(head["numel"]),
                                    tail_nbytes=int(head.get("tail_nbytes", 0)))
@@ -497,14 +525,10 @@ class TensorSwapper:
             if buf.owner is not None and part.buffer is not buf:
                 self.pool.release(buf)
             raise
-        futs, lengths = [], []
         try:
-            checksum = self.checksums and self._crc.get(part_id) is not None
-            for aio, path, offset, at, n in self.extents(part_id, 0, part.nbytes):
-                futs.append(aio.pread(buf.tensor[at:], path, offset, nbytes=n, checksum=checksum))
-                lengths.append(n)
-        except BaseException:
-            wait_all_quietly(futs)  # the buffer goes back only once nothing reads into it
+            futs, lengths = read_extents(self.extents(part_id, 0, part.nbytes), buf.tensor,
+                                         checksum=self.checksums and self._crc.get(part_id) is not None)
+        except BaseException:  # what was submitted has landed: the buffer can go back
             with self._lock:
                 self.pool.release(part.fail_read())
             raise
@@ -594,7 +618,7 @@ class TensorSwapper:
                     raise ValueError(f"write hook of {part.id}: it covered {k} bytes of {part.nbytes}")
                 crc = crc32c(part.buffer.tensor[k:], part.nbytes - k, seed=crc)
             head = self._headers.pop() if self._headers else aligned_empty(HEADER, pin=False)
-            text = _header_text(part, crc)
+            text = _header_text(part, crc, len(self.dirs))
             head.fill_(ord(" "))
             head[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
             fut = self.aio_of(part.id).pwrite(head, self.path_of(part.id), 0)
@@ -620,11 +644,10 @@ class TensorSwapper:
         buf = part.buffer
         if error is None and self.checksums and self._crc.get(part.id) is not None:
             try:
-                actual = futs[0].crc32c()  # taken by the I/O thread ([Note: checksum on completion])
-                for fut, n in zip(futs[1:], lengths[1:]):  # a striped partition's chunks, in order
-                    actual = crc32c_combine(actual, fut.crc32c(), n)
+                actual = combined_crc(futs, lengths)  # a striped partition's chunks, in order
                 if actual != self._crc[part.id]:
-                    error = SwapCorruptionError(self.path_of(part.id), part.id, self._crc[part.id], actual)
+                    files = " and ".join(path for _, path, *_ in self.extents(part.id, 0, part.nbytes))
+                    error = SwapCorruptionError(files or self.path_of(part.id), part.id, self._crc[part.id], actual)
             except BaseException as exc:  # noqa: BLE001 - still end the read below
                 error = exc
         with self._lock:
@@ -682,9 +705,11 @@ class TensorSwapper:
         self.close()
 
 
-def _header_text(part: Partition, crc) -> bytes:
+def _header_text(part: Partition, crc, disks: int = 1) -> bytes:
     head = {"magic": "infinity-swap", "version": 1, "id": part.id, "dtype": name_of(part.dtype),
             "numel": part.numel, "nbytes": part.nbytes, "crc32c": crc}
+    if disks > 1:  # the chunk layout is chunk_layout(content bytes, disks, this file's directory)
+        head["disks"] = disks
     if part.tail_nbytes:
         head["tail_nbytes"] = part.tail_nbytes
     text = json.dumps(head).encode()
@@ -693,4 +718,4 @@ def _header_text(part: Partition, crc) -> bytes:
     return text
 
 
-__all__ = ["TensorSwapper", "SwapFuture", "HEADER", "chunk_layout"]
+__all__ = ["TensorSwapper", "SwapFuture", "HEADER", "chunk_layout", "combined_crc", "read_extents"]

@@ -42,9 +42,11 @@ def engine_config(tier: str = "none", nvme_path=None, *, largest: int | None = N
                                  "stage3_prefetch_bucket_size": 60_000, "stage3_max_reuse_distance": 20_000,
                                  "offload_param": {"device": tier}, "offload_optimizer": {"device": tier}}}
     if tier == "nvme":
-        cfg["zero_optimization"]["offload_param"].update(nvme_path=str(nvme_path), buffer_count=4,
+        path = [str(p) for p in nvme_path] if isinstance(nvme_path, (list, tuple)) else \
+            (None if nvme_path is None else str(nvme_path))
+        cfg["zero_optimization"]["offload_param"].update(nvme_path=path, buffer_count=4,
                                                           buffer_size=largest or 20_000)
-        cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=str(nvme_path), buffer_count=3)
+        cfg["zero_optimization"]["offload_optimizer"].update(nvme_path=path, buffer_count=3)
     if largest is not None:
         cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 2 * largest
     for key, value in over.items():

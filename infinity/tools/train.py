@@ -384,7 +384,8 @@ def _train(args, out: Path, nvme: list) -> int:
         planned = make_plan(model=args.model if src.kind == "preset" else src.directory,
                             memory_budget=args.memory_budget, nvme_path=nvme[0], config=args.config, micro=micro,
                             grad_accum=accum, seq=seq, nproc=world_env, split_batch=defaulted)
-        cfg = load_config(planned[0].config)
+        # The plan is made for the first disk (its speed measured there); the swap files go to all of them.
+        cfg = load_config(planned[0].config, nvme_path=nvme if len(nvme) > 1 else None)
         if (planned[0].micro_batch, planned[0].grad_accum) != (micro, accum):
             print(f"infinity train: --memory-budget: the batch of {micro} runs as {planned[0].grad_accum // accum} "
                   f"micro-batches of {planned[0].micro_batch} (a micro-batch of {micro} does not fit; "

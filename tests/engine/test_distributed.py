@@ -237,3 +237,22 @@ def test_a_backward_that_fails_part_way_sends_nothing_with_the_next_one(tmp_path
     runs = {(r, f): json.loads((tmp_path / f"rank{r}-{f}.json").read_text()) for r in (0, 1) for f in (True, False)}
     assert runs[(0, True)] == runs[(1, True)], "the ranks agree"
     assert runs[(0, True)] == runs[(0, False)], "the failed backward left nothing in the next step"
+
+
+def test_a_backward_failed_by_a_dead_rank_does_not_wait_for_its_reduce_scatter_again():
+    """After a RankFailure the reduce-scatter in flight would only time out once more (another comm timeout
+    before the error reaches the user): it is dropped unwaited. Any other failure waits for it (every rank
+    started it)."""
+    from types import SimpleNamespace
+
+    from infinity.engine.buckets import GradientBuckets
+    from infinity.engine.optimizer import ShardedAdam
+    from infinity.errors import RankFailure
+
+    for error, waits in ((RankFailure("rank 1 died"), 0), (RuntimeError("out of memory"), 1)):
+        waited = []
+        buckets = GradientBuckets(SimpleNamespace(world=2), sink=None, reduce_bucket=10)
+        buckets._bucket, buckets._elements = [("mp", None)], 5
+        buckets._in_flight = (SimpleNamespace(wait=lambda: waited.append(1)), [])
+        ShardedAdam.backward_failed(SimpleNamespace(buckets=buckets), error)
+        assert len(waited) == waits and buckets._in_flight is None and not buckets._bucket, error
