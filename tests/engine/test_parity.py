@@ -7,6 +7,7 @@ import torch
 
 from infinity.engine import gathered_parameters, zero_init
 from infinity.models import GPT, GPTConfig
+from infinity.testing.files import flip_bit
 from infinity.testing.parity import (MODEL, batch, engine_config, engine_losses, gpt_engine, spawn_losses,
                                      torch_losses, train_step)
 
@@ -218,11 +219,7 @@ def test_nvme_moves_28_bytes_per_parameter_and_detects_a_flipped_byte(disk_dir, 
             assert not list(Path(engine.store.swap.swapper.dir).glob("*.swp"))
         mp = engine.store.params[5]
         path, offset, _ = engine.store.alias.files_of(f"alias/{mp.index}")[0]  # its first (or only) piece
-        with open(path, "r+b") as f:
-            f.seek(offset + 4)
-            byte = f.read(1)
-            f.seek(offset + 4)
-            f.write(bytes([byte[0] ^ 0x10]))
+        flip_bit(path, offset + 4)
         x, y = batch(3)
         with pytest.raises(infinity.SwapCorruptionError, match="is corrupted") as info:
             engine.backward(engine(x, y))

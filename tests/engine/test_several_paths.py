@@ -16,6 +16,7 @@ import infinity
 import infinity.swap.swapper as swapper_module
 from infinity.config import ConfigError
 from infinity.testing.parity import engine_config, engine_losses, gpt_engine, train_step
+from infinity.testing.files import flip_bit
 
 BF16 = {"bf16.enabled": True, "zero_optimization.sub_group_size": 8192}
 
@@ -97,11 +98,7 @@ def test_a_corrupted_byte_in_a_later_chunk_is_caught(tmp_path, monkeypatch):
         train_step(e, 0)
         e.optimizer.settle()
         chunk = sorted(f for f in {**_swp(a), **_swp(b)} if f.endswith(".1.swp") and "/optim_" in f)[0]
-        with open(chunk, "r+b") as f:
-            f.seek(swapper_module.HEADER + 100)
-            byte = f.read(1)
-            f.seek(swapper_module.HEADER + 100)
-            f.write(bytes([byte[0] ^ 0x10]))
+        flip_bit(chunk, swapper_module.HEADER + 100)
         with pytest.raises(infinity.SwapCorruptionError, match="is corrupted"):
             for s in range(1, 4):
                 train_step(e, s)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import infinity
 from infinity.config import load_config
 from infinity.engine import initialize, zero_init
+from infinity.testing.files import flip_bit
 from tests.engine.test_sizing import DIM, VOCAB, TiedLM
 
 WHOLE, PIECE = 2_000_000, 300_000  # sub_group_size: above the embedding, and a quarter of it
@@ -92,11 +93,7 @@ def test_fp32_pieces_train_as_the_whole_and_a_flipped_byte_in_a_later_one_is_cau
         assert [step(whole, s) for s in range(2)] == [step(split, s) for s in range(2)]
         assert split.store.alias.where["alias/0"][2][4] == 598016  # the third piece starts at element 598016
         path, offset, _ = split.store.alias.files_of("alias/0")[2]
-        with open(path, "r+b") as f:
-            f.seek(offset + 8)
-            byte = f.read(1)
-            f.seek(offset + 8)
-            f.write(bytes([byte[0] ^ 0x10]))
+        flip_bit(path, offset + 8)
         with pytest.raises(infinity.SwapCorruptionError, match="is corrupted") as info:
             step(split, 2)
         assert info.value.filename == path

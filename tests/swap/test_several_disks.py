@@ -13,6 +13,7 @@ import infinity.swap.swapper as swapper_module
 from infinity.errors import SwapCorruptionError
 from infinity.io import AsyncIO
 from infinity.swap import BufferPool, TensorSwapper
+from infinity.testing.files import flip_bit
 
 
 @pytest.fixture
@@ -105,11 +106,7 @@ def test_a_flipped_byte_in_a_later_chunk_names_every_chunk_file(tmp_path, small_
     try:
         sw.swap_out("x", torch.randn(10_000)).wait()
         _, path, offset, _, _ = sw.extents("x")[1]
-        with open(path, "r+b") as f:
-            f.seek(offset + 5)
-            b = f.read(1)
-            f.seek(offset + 5)
-            f.write(bytes([b[0] ^ 1]))
+        flip_bit(path, offset + 5, 1)
         with pytest.raises(SwapCorruptionError) as info:
             sw.swap_in("x").wait()
         assert path in str(info.value) and sw.path_of("x") in str(info.value)

@@ -15,6 +15,7 @@ import torch
 from infinity import SwapCorruptionError
 from infinity.swap import BufferPool, Residency, TensorSwapper
 from infinity.swap.swapper import HEADER
+from infinity.testing.files import flip_bit
 
 
 @pytest.fixture
@@ -137,11 +138,7 @@ def test_corruption_is_detected(swapper):
     t = torch.randn(5000)
     swapper.swap_out("w", t).wait()
     path = swapper.path_of("w")
-    with open(path, "r+b") as f:
-        f.seek(HEADER + 1234)
-        byte = f.read(1)
-        f.seek(HEADER + 1234)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_bit(path, HEADER + 1234)
     with pytest.raises(SwapCorruptionError) as ei:
         swapper.swap_in("w").wait()
     e = ei.value
