@@ -243,16 +243,25 @@ PYBIND11_MODULE(_native, m) {
          size_t n, int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
          bool bias_correction, double grad_scale, uintptr_t out_lowp, const std::string& lowp_dtype,
          bool check_finite, const std::string& simd, const std::string& moment_dtype,
-         const std::string& moment_rounding, uint32_t moment_seed) {
+         const std::string& moment_rounding, uint32_t moment_seed, uintptr_t exp_avg_scale,
+         uintptr_t exp_avg_sq_scale) {
         infinity::cpu::AdamArgs a;
         a.param = reinterpret_cast<float*>(param);
         a.grad = reinterpret_cast<const void*>(grad);
         a.grad_dtype = dtype_from(grad_dtype, "grad");
         a.exp_avg = reinterpret_cast<void*>(exp_avg);
         a.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
-        a.moment_dtype = dtype_from(moment_dtype, "exp_avg");
+        if (moment_dtype == "int8") {  // 8-bit blocks: codes in exp_avg / exp_avg_sq, plus their scales
+          if (!exp_avg_scale || !exp_avg_sq_scale)
+            throw ArgumentError("int8 moments need exp_avg_scale and exp_avg_sq_scale");
+          a.moment_dtype = infinity::cpu::Dtype::kI8;
+          a.exp_avg_scale = reinterpret_cast<float*>(exp_avg_scale);
+          a.exp_avg_sq_scale = reinterpret_cast<float*>(exp_avg_sq_scale);
+        } else {
+          a.moment_dtype = dtype_from(moment_dtype, "exp_avg");
+        }
         if (a.moment_dtype == infinity::cpu::Dtype::kF16)
-          throw ArgumentError("exp_avg must be float32 or bfloat16, got float16");
+          throw ArgumentError("exp_avg must be float32, bfloat16 or int8, got float16");
         if (moment_rounding != "nearest" && moment_rounding != "stochastic")
           throw ArgumentError("moment_rounding must be nearest or stochastic, got " + moment_rounding);
         a.moment_rounding = moment_rounding == "stochastic" ? infinity::cpu::Rounding::kStochastic

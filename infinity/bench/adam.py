@@ -112,7 +112,7 @@ def _native_step(t: _Tensors, level: str, grad, *, lowp: bool, check: bool, scal
     native.adam_step(t.p.data_ptr(), grad.data_ptr(), gdt, m.data_ptr(), v.data_ptr(), t.p.numel(),
                      step, 1e-4, 0.9, 0.999, 1e-8, 0.01, True, True, scale,
                      t.out.data_ptr() if lowp else 0, "bfloat16" if lowp else "", check, level,
-                     "float32" if rounding is None else "bfloat16", rounding or "nearest", step)
+                     "float32" if rounding is None else "bfloat16", rounding or "nearest", step, 0, 0)
 
 
 def _ours(t: _Tensors, level: str, *, lowp: bool, check: bool, scale: float = 1.0, bf16_grads: bool = False,

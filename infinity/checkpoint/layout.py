@@ -182,12 +182,15 @@ class Manifest:
     excluded_frozen: tuple[str, ...] = ()
     """Frozen parameters left out (save_checkpoint(exclude_frozen_parameters=True)): a load keeps their values."""
     moments_dtype: str = "float32"
-    """The dtype exp_avg and exp_avg_sq are stored in (offload_optimizer.moments_dtype; float32 before it was
-    recorded). The master weights are always float32."""
+    """The dtype the engine kept exp_avg and exp_avg_sq in (offload_optimizer.moments_dtype; float32 before it
+    was recorded): float32, bfloat16, or int8, whose arrays hold the decoded values in float32 (exact: they
+    encode back to the same codes). The master weights are always float32."""
 
     def dtype_of(self, state: str) -> torch.dtype:
         """The dtype of a state's arrays."""
-        return torch.float32 if state == STATES[0] else BY_NAME[self.moments_dtype]
+        if state == STATES[0] or self.moments_dtype == "int8":
+            return torch.float32
+        return BY_NAME[self.moments_dtype]
 
     def itemsize(self, state: str) -> int:
         """Bytes per element of a state's arrays."""
@@ -205,8 +208,8 @@ class Manifest:
             if not isinstance(name, str) or name not in names:
                 raise _unusable(root, f"aliases[{alias!r}]", f"{name!r} is not a saved parameter")
         moments = _take(d, "moments_dtype", str, root, default="float32")
-        if moments not in ("float32", "bfloat16"):
-            raise _unusable(root, "moments_dtype", f"{moments!r} is not float32 or bfloat16")
+        if moments not in ("float32", "bfloat16", "int8"):
+            raise _unusable(root, "moments_dtype", f"{moments!r} is not float32, bfloat16 or int8")
         states = _take(d, "states", list, root)
         if not all(isinstance(s, str) for s in states):
             raise _unusable(root, "states", f"{states!r} is not a list of names")

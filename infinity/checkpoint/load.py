@@ -31,7 +31,8 @@ from infinity.checkpoint.layout import (FORMAT, LATEST, STATES, VERSION, Checkpo
                                         chunk_path, crc_of, partial_dir, read_json, read_latest)
 from infinity.checkpoint.save import extra_tensors, rng_state, together
 from infinity.checkpoint.stream import ChunkReader, Window, open_io
-from infinity.dtypes import BY_NAME, name_of
+from infinity.dtypes import BY_NAME
+from infinity.swap.state import moments_name
 from infinity.errors import NoLatest  # noqa: F401 - raised here, defined there
 
 
@@ -224,10 +225,11 @@ def _load(engine, m: Manifest, root: str, reader: ChunkReader, states) -> None:
     """Weights (and, unless module_only, Adam's moments) and buffers into this rank's engine."""
     plan = {id(mp): (s, lo, hi, pieces) for mp, s, lo, hi, pieces in my_reads(engine, m)}
     moments = engine.optimizer.moments
-    if m.moments_dtype != name_of(moments) and any(st != STATES[0] for st in states):
-        how = "widened exactly" if moments == torch.float32 else "rounded to nearest even"
+    if m.moments_dtype != moments_name(moments) and any(st != STATES[0] for st in states):
+        how = {torch.float32: "widened exactly", torch.bfloat16: "rounded to nearest even"}.get(
+            moments, "encoded into 8-bit blocks, rounded to nearest")
         warnings.warn(f"load_checkpoint: {root} holds Adam moments in {m.moments_dtype}, this engine keeps them "
-                      f"in {name_of(moments)} (offload_optimizer.moments_dtype); they were converted ({how})",
+                      f"in {moments_name(moments)} (offload_optimizer.moments_dtype); they were converted ({how})",
                       stacklevel=3)
 
     def fill(g, p, mm, v):

@@ -33,6 +33,7 @@ from infinity.checkpoint.layout import (FORMAT, PARTIAL_SUFFIX, STATES, VERSION,
                                         partial_dir, read_latest, sync_filesystem, write_json, write_latest)
 from infinity.checkpoint.stream import ChunkWriter, open_io
 from infinity.dtypes import name_of
+from infinity.swap.state import moments_name, value_dtype
 from infinity.engine.comm import together as comm_together
 from infinity.engine.params import managed
 
@@ -125,7 +126,7 @@ def manifest(engine, tag: str, client_state, *, exclude_frozen: bool = False) ->
     return {
         "format": FORMAT, "version": VERSION, "complete": True, "tag": tag, "world_size": engine.comm.world,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "compute_dtype": name_of(store.dtype), "states": list(STATES), "moments_dtype": name_of(opt.moments),
+        "compute_dtype": name_of(store.dtype), "states": list(STATES), "moments_dtype": moments_name(opt.moments),
         "params": [{"name": mp.name, "shape": list(mp.shape), "numel": mp.numel, "part": mp.part,
                     "frozen": not mp.trainable} for mp in store.params if mp.trainable or not exclude_frozen],
         "hf_config": hf_config(engine.module),
@@ -300,7 +301,7 @@ def _metadata(engine, exclude_frozen: bool) -> dict:
         if exclude_frozen and not mp.trainable:
             continue
         for state in states_of(mp):
-            dt = engine.optimizer.moments if state != STATES[0] else torch.float32
+            dt = value_dtype(engine.optimizer.moments) if state != STATES[0] else torch.float32
             metadata[os.path.join(state, mp.name)] = array_meta(
                 mp.numel, mp.part, ZARR_DTYPES[dt], attributes={"shape": list(mp.shape), "dtype": name_of(dt)})
     for name, t in extra_tensors(engine.module).items():

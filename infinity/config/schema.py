@@ -82,12 +82,14 @@ class OffloadOptimizerConfig:
     """Write the previous sub-group while Adam runs on this one."""
     fast_init: bool = spec(False)
     """DeepSpeed: skip writing initial state through the swapper (accepted; state is always written)."""
-    moments_dtype: str = spec("fp32", choices=("fp32", "bf16"))
-    """How Adam's exp_avg and exp_avg_sq are stored, swapped and checkpointed (infinity only; the master
-    weights stay fp32). bf16 halves their bytes: 8 B of state per parameter instead of 12, so NVMe moves a
-    third less per step and holds a third more model. See the README's "bf16 moments" for when to use it."""
+    moments_dtype: str = spec("fp32", choices=("fp32", "bf16", "int8"))
+    """How Adam's exp_avg and exp_avg_sq are stored and swapped (infinity only; the master weights stay fp32).
+    bf16 halves their bytes: 8 B of state per parameter instead of 12. int8 stores each in 8-bit blocks
+    ([Note: 8-bit moments] in optim/moments8.py): about 6 B per parameter, so NVMe moves half as much per step
+    and holds twice the model. Checkpoints hold the moments' values (fp32 for int8, exact). See the README's
+    "Smaller optimizer state" for when to use each."""
     moments_rounding: str = spec("stochastic", choices=("nearest", "stochastic"))
-    """With moments_dtype bf16: how new moments are rounded to bf16. stochastic (seeded, reproducible) keeps
+    """With moments_dtype bf16 or int8: how new moments are rounded. stochastic (seeded, reproducible) keeps
     the second moment decaying; nearest-even stalls it (see [Note: bf16 moments] in native/cpu/adam.cpp)."""
     ratio: float = spec(1.0, low=0.0, high=1.0)
     """Fraction of the optimizer's sub-groups to offload (DeepSpeed's Twin-Flow; stage 3 with device cpu): the first

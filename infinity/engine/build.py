@@ -14,7 +14,7 @@ from infinity.engine import lifetime
 from infinity.engine.comm import Comm, together
 from infinity.engine.params import ParamStore, managed
 from infinity.engine.plan import DiskNeed, fit_param_buffer
-from infinity.swap.state import MOMENT_DTYPES, state_bytes
+from infinity.swap.state import MOMENT_DTYPES, state_nbytes
 from infinity.swap import swapper as swap_files
 from infinity.swap.swapper import HEADER
 from infinity.swap.tier import HOST, Tier
@@ -127,8 +127,8 @@ def check_disk_room(cfg: Config, store, model, trained: set, world: int) -> tupl
         # the shards: counting them is conservative).
         final = [compute * part[k] for k in params if not (tail and k in trained)] if compute != 4 else fp32
     if off_o.tier is Tier.NVME:  # a file per sub-group: bounded here by a file per trained shard (see _room)
-        per = state_bytes(MOMENT_DTYPES[off_o.moments_dtype]) + (store.dtype.itemsize if tail else 0)
-        opt = [per * part[k] for k in trained]
+        moments, lowp = MOMENT_DTYPES[off_o.moments_dtype], store.dtype.itemsize if tail else 0
+        opt = [state_nbytes(part[k], moments) + lowp * part[k] for k in trained]
     ppaths = zero.offload_param.paths if fp32 else ()
     opaths = off_o.paths if opt else ()
     fs: dict = {}  # st_dev -> {the first path on it (the optimizer's when both are), and its bytes}

@@ -119,7 +119,7 @@ from infinity.engine.params import ParamStatus, ParamStore
 from infinity.engine.plan import OffloadPlan, ShardSource
 from infinity.optim import grads_finite
 from infinity.swap.pipeline import Mode, StatePipeline
-from infinity.swap.state import DeviceState, GroupState, HostState, NvmeState, state_bytes
+from infinity.swap.state import DeviceState, GroupState, HostState, NvmeState, state_nbytes
 from infinity.swap.telemetry import StepStats
 from infinity.swap.tier import HOST, Tier
 
@@ -204,7 +204,8 @@ class ShardedAdam(torch.optim.Optimizer):
         """The dtype of the trained shards kept in the optimizer's NVMe files (see [Note: fp32 shards live in
         the optimizer file] and [Note: compute-dtype shards in the optimizer file] in alias.py), or None."""
         if self.in_state is not None and self.in_state != torch.float32:
-            need = max(g.numel for g in self.groups) * (state_bytes(self.moments) + store.dtype.itemsize)
+            largest = max(g.numel for g in self.groups)
+            need = state_nbytes(largest, self.moments) + largest * store.dtype.itemsize
             if swap is None or swap.pool.size < need:
                 raise ValueError(f"ShardedAdam: the optimizer's pool buffers must hold a sub-group's state and its "
                                  f"{store.dtype} weights ({need} B); build it with SwapContext.for_optimizer("

@@ -64,7 +64,7 @@ import torch
 
 from infinity.config import Config
 from infinity.config.tier import Tier
-from infinity.swap.state import MOMENT_DTYPES, state_bytes
+from infinity.swap.state import MOMENT_DTYPES, state_nbytes
 
 log = logging.getLogger("infinity")
 
@@ -252,10 +252,9 @@ def fit_optimizer(cfg: Config, store, by_group: list[list], *, split: bool, say:
     groups = pack(by_group, sub_group, split=split, tier=off.tier, ratio=off.ratio)
     count = off.buffer_count if written(cfg, BUFFERS) else max(1, min(off.buffer_count, len(groups)))
     in_state = shards_in_state(store, [g.params for g in groups], off.tier, off.ratio)
-    per = state_bytes(MOMENT_DTYPES[off.moments_dtype]) + (0 if in_state in (None, torch.float32)
-                                                           else in_state.itemsize)
     group_numel = max((g.numel for g in groups), default=1)
-    pool, state = count * group_numel * per, sum(shards) * per
+    nbytes = _state_file_bytes(off.moments_dtype, in_state)
+    pool, state = count * nbytes(group_numel), nbytes(sum(shards))
     wrote = [k for k in (SUB_GROUP, BUFFERS) if cfg.given is not None and k in cfg.given]
     if wrote and pool > state and say:
         log.warning("infinity: %s make the NVMe optimizer's pool %d buffers of %s parameters' state, %.2f GiB: "
@@ -301,19 +300,26 @@ def plan_offload(cfg: Config, store, by_group: list[list], *, disk: tuple = (),
         shard_source=ShardSource.HOME if in_state is None else ShardSource.OPTIMIZER_FILE, shard_dtype=in_state,
         split=split, sub_groups=tuple(sub_groups),
         optimizer_buffers=off.buffer_count if any(g.tier is Tier.NVME for g in sub_groups) else 0, fitted=fitted,
-        disk=_exact_state_files(disk, sub_groups, state_bytes(MOMENT_DTYPES[off.moments_dtype])
-                                + (0 if in_state in (None, torch.float32) else in_state.itemsize), len(off.paths)))
+        disk=_exact_state_files(disk, sub_groups, _state_file_bytes(off.moments_dtype, in_state), len(off.paths)))
 
 
-def _exact_state_files(disk: tuple, sub_groups: list, per: int, paths: int) -> tuple:
+def _state_file_bytes(moments_dtype: str, in_state):
+    """numel -> the bytes of a sub-group's state file: its state (state_nbytes), and the compute-dtype copy of
+    its shards when they live in it."""
+    moments = MOMENT_DTYPES[moments_dtype]
+    lowp = 0 if in_state in (None, torch.float32) else in_state.itemsize
+    return lambda numel: state_nbytes(numel, moments) + lowp * numel
+
+
+def _exact_state_files(disk: tuple, sub_groups: list, nbytes, paths: int) -> tuple:
     """`disk` with the optimizer's bytes those of the files the sub-groups on NVMe write: the j-th group's
-    `per` bytes per parameter, first in turn j, in one file or striped over the paths, each file with its
-    header's room (chunk_layout, [Note: several NVMe paths] in swap/swapper.py)."""
+    `nbytes(numel)`, first in turn j, in one file or striped over the paths, each file with its header's room
+    (chunk_layout, [Note: several NVMe paths] in swap/swapper.py)."""
     from infinity.swap.swapper import HEADER, chunk_layout
 
     on = [0] * max(paths, 1)
     for j, g in enumerate(g for g in sub_groups if g.tier is Tier.NVME):
-        for k, lo, hi in chunk_layout(g.numel * per, max(paths, 1), j):
+        for k, lo, hi in chunk_layout(nbytes(g.numel), max(paths, 1), j):
             on[k] += HEADER + hi - lo
     return tuple(dataclasses.replace(d, optimizer_bytes=sum(on[k] for k in d.optimizer_slots))
                  if d.optimizer_slots else d for d in disk)

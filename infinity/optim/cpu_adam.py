@@ -12,10 +12,12 @@ import math
 import torch
 
 from infinity._native_loader import native
+from infinity.optim import moments8
 
 _GRAD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LOWP_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_MOMENT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_MOMENT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.uint8: "int8"}
+"""A uint8 moment is one 8-bit moment's bytes (moments8.py)."""
 ROUNDINGS = ("nearest", "stochastic")
 """How bf16 moments are stored: round to nearest even, or stochastically (see [Note: bf16 moments] in
 native/cpu/adam.cpp)."""
@@ -89,7 +91,9 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     they are read as bf16, updated in fp32 and stored rounded to bf16, by `moment_rounding` "nearest"
     (even; subnormal moments become zero and a NaN keeps its payload's top, as AVX512_BF16's VCVTNE2PS2BF16
     rounds, on every code path) or "stochastic", whose random bits are a hash of `moment_seed` (a uint32) and
-    the element's index.
+    the element's index. Or both are uint8 tensors of `moments8.nbytes(n)` bytes (moments_dtype "int8"):
+    8-bit codes and their block scales ([Note: 8-bit moments] in infinity/optim/moments8.py), decoded,
+    updated in fp32 and encoded again in the same pass, rounded by `moment_rounding` the same way.
 
     The code path follows the CPU (AVX-512 with AVX512_BF16, AVX-512, AVX2 or scalar); set
     INFINITY_SIMD=scalar|avx2|avx512|avx512_bf16 to force a lower one.
@@ -97,8 +101,13 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     _check_tensor("param", param, (torch.float32,), None)
     n = param.numel()
     _check_tensor("grad", grad, tuple(_GRAD_DTYPES), n)
-    _check_tensor("exp_avg", exp_avg, tuple(_MOMENT_DTYPES), n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n)
+    eight = isinstance(exp_avg, torch.Tensor) and exp_avg.dtype == torch.uint8
+    _check_tensor("exp_avg", exp_avg, tuple(_MOMENT_DTYPES), None if eight else n)
+    _check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), None if eight else n)
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if eight and t.numel() != moments8.nbytes(n):
+            raise ValueError(f"cpu_adam_step: {name} holds {t.numel()} bytes, but 8-bit moments of {n} elements "
+                             f"take {moments8.nbytes(n)} (infinity.optim.moments8.nbytes)")
     if moment_rounding not in ROUNDINGS:
         raise ValueError(f"cpu_adam_step: moment_rounding must be one of {', '.join(ROUNDINGS)}, "
                          f"got {moment_rounding!r}")
@@ -111,10 +120,14 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                        "out_lowp": out_lowp})
     if n == 0:
         return False
+    scales = (0, 0)
+    if eight:
+        scales = tuple(moments8.split(t, n)[1].data_ptr() for t in (exp_avg, exp_avg_sq))
     if native is None:
         if exp_avg.dtype != torch.float32:
-            raise RuntimeError("cpu_adam_step: bf16 moments need the native extension (infinity._native), "
-                               "which did not load; reinstall infinity or use moments_dtype fp32")
+            raise RuntimeError(f"cpu_adam_step: {_MOMENT_DTYPES[exp_avg.dtype]} moments need the native "
+                               "extension (infinity._native), which did not load; reinstall infinity or use "
+                               "moments_dtype fp32")
         return _reference_step(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, adamw,
                                bias_correction, grad_scale, out_lowp, check_finite)
     return native.adam_step(
@@ -122,7 +135,7 @@ def cpu_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         n, step, float(lr), float(betas[0]), float(betas[1]), float(eps), float(weight_decay), bool(adamw),
         bool(bias_correction), float(grad_scale), out_lowp.data_ptr() if out_lowp is not None else 0,
         _LOWP_DTYPES[out_lowp.dtype] if out_lowp is not None else "", bool(check_finite), "auto",
-        _MOMENT_DTYPES[exp_avg.dtype], moment_rounding, int(moment_seed))
+        _MOMENT_DTYPES[exp_avg.dtype], moment_rounding, int(moment_seed), *scales)
 
 
 def grads_finite(grads, grad_scale: float = 1.0) -> bool:

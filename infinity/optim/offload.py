@@ -95,6 +95,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise ValueError("OffloadAdamW: offload='nvme' needs nvme_path= (a directory on a fast local disk)")
         if moments_dtype not in MOMENT_DTYPES:
             raise ValueError(f"OffloadAdamW: moments_dtype={moments_dtype!r}; use one of {sorted(MOMENT_DTYPES)}")
+        if moments_dtype == "int8":  # its state_dict hands out per-parameter moments; 8-bit blocks span them
+            raise ValueError("OffloadAdamW: moments_dtype='int8' is for the ZeRO engine (infinity.initialize, "
+                             "offload_optimizer.moments_dtype); OffloadAdamW keeps fp32 or bf16 moments, so use "
+                             "moments_dtype='bf16' here")
         if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas) or weight_decay < 0:
             raise ValueError(f"OffloadAdamW: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")

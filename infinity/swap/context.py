@@ -15,7 +15,7 @@ from infinity.config import Config
 from infinity.errors import ConfigError
 from infinity.io import AsyncIO
 from infinity.swap.pool import BufferPool
-from infinity.swap.state import MOMENT_DTYPES, state_bytes
+from infinity.swap.state import MOMENT_DTYPES, state_nbytes
 from infinity.swap.swapper import TensorSwapper
 from infinity.swap.tier import Tier
 
@@ -46,7 +46,7 @@ class SwapContext:
     def for_optimizer(cls, cfg: Config, *, rank: int = 0, largest_group_numel: int | None = None,
                       tail_bytes: int = 0, master: bool = True, world: int | None = None) -> "SwapContext":
         """One buffer holds a whole sub-group's [param | exp_avg | exp_avg_sq] (12 B per parameter; 8 with bf16
-        moments), and `tail_bytes` per parameter after it: the weights' compute-dtype copy (2 with bf16/fp16
+        moments, about 6 with 8-bit ones: state_nbytes), and `tail_bytes` per parameter after it: the weights' compute-dtype copy (2 with bf16/fp16
         shards kept in the state, see [Note: compute-dtype shards in the optimizer file] in engine/alias.py).
         `master=False`: the groups hold the moments only (NvmeState(master=False))."""
         off = cfg.zero_optimization.offload_optimizer
@@ -55,16 +55,16 @@ class SwapContext:
         group = cfg.zero_optimization.sub_group_size if largest_group_numel is None else largest_group_numel
         if group < 1:
             raise ValueError(f"SwapContext: largest_group_numel must be >= 1, got {group}")
-        per = state_bytes(MOMENT_DTYPES[off.moments_dtype], master=master) + tail_bytes
-        pool_bytes = off.buffer_count * per * group
+        size = state_nbytes(group, MOMENT_DTYPES[off.moments_dtype], master=master) + tail_bytes * group
+        pool_bytes = off.buffer_count * size
         budget = cfg.infinity.memory_budget
         if budget is not None and pool_bytes > budget:
             raise ConfigError("zero_optimization.offload_optimizer.buffer_count",
-                              f"{off.buffer_count} buffers x {per} B x {group} parameters = "
+                              f"{off.buffer_count} buffers x {size:,} B ({group:,} parameters' state) = "
                               f"{pool_bytes / 2**30:.2f} GiB "
                               f"exceeds infinity.memory_budget ({budget / 2**30:.2f} GiB); lower buffer_count or "
                               "zero_optimization.sub_group_size")
-        return cls(directory=off.paths, count=off.buffer_count, size=per * group, cfg=cfg, pin=off.pin_memory,
+        return cls(directory=off.paths, count=off.buffer_count, size=size, cfg=cfg, pin=off.pin_memory,
                    rank=rank, world=world)
 
     @classmethod

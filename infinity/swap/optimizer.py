@@ -14,7 +14,7 @@ import torch
 
 from infinity.optim import grads_finite
 from infinity.swap.pipeline import Mode, StatePipeline
-from infinity.swap.state import NvmeState, state_bytes
+from infinity.swap.state import NvmeState, state_nbytes
 from infinity.swap.swapper import TensorSwapper
 from infinity.swap.telemetry import StepStats, Trace
 
@@ -22,7 +22,7 @@ from infinity.swap.telemetry import StepStats, Trace
 class OptimizerSwapper:
     def __init__(self, swapper: TensorSwapper, numels: list[int], *, name: str = "opt", trace: Trace | None = None,
                  moments: torch.dtype = torch.float32):
-        need = state_bytes(moments) * max(numels)
+        need = state_nbytes(max(numels), moments)
         if need > swapper.pool.size:
             raise ValueError(f"OptimizerSwapper: the largest sub-group ({max(numels)} parameters) needs {need} B "
                              f"per pool buffer, the pool has {swapper.pool.size} B; raise the buffer size or lower "

@@ -27,20 +27,70 @@ from dataclasses import dataclass
 
 import torch
 
-from infinity.optim import cpu_adam_step
+from infinity.optim import cpu_adam_step, moments8
+from infinity.optim.rounding import bf16_stochastic
 from infinity.swap.registry import Residency
 from infinity.swap.swapper import TensorSwapper
 from infinity.swap.tier import HOST, Tier
 
 
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EIGHT_BIT = torch.uint8
+"""The moments' dtype with offload_optimizer.moments_dtype "int8": each moment is a uint8 tensor holding its
+8-bit codes and block scales ([Note: 8-bit moments] in optim/moments8.py), not one value per element."""
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": EIGHT_BIT}
 """offload_optimizer.moments_dtype's spellings."""
 
 
-def state_bytes(moments: torch.dtype = torch.float32, *, master: bool = True) -> int:
-    """Bytes of optimizer state per parameter: the fp32 master weight and two moments (12, or 8 with bf16);
-    without the master (parameters that are their own master), the moments' 8 (or 4)."""
-    return (4 if master else 0) + 2 * torch.empty((), dtype=moments).element_size()
+def moment_nbytes(numel: int, moments: torch.dtype = torch.float32) -> int:
+    """Bytes of one moment of `numel` elements: 4 or 2 per element, or the 8-bit format's codes and scales."""
+    if moments == EIGHT_BIT:
+        return moments8.nbytes(numel)
+    return numel * moments.itemsize
+
+
+def state_nbytes(numel: int, moments: torch.dtype = torch.float32, *, master: bool = True) -> int:
+    """Bytes of one sub-group's optimizer state of `numel` parameters: the fp32 master weights (unless the
+    parameters are their own master) and two moments. A multiple of 4."""
+    return (4 * numel if master else 0) + 2 * moment_nbytes(numel, moments)
+
+
+def state_bytes(moments: torch.dtype = torch.float32, *, master: bool = True) -> float:
+    """Bytes of optimizer state per parameter, for estimates: 12 (fp32 master and moments), 8 with bf16
+    moments, 6.03 with 8-bit ones (their scales add 4 B per 256 parameters); without the master, 4 less."""
+    if moments == EIGHT_BIT:
+        return state_nbytes(moments8.BLOCK, moments, master=master) / moments8.BLOCK
+    return state_nbytes(1, moments, master=master)
+
+
+def _moment_len(numel: int, moments: torch.dtype) -> int:
+    """Elements of `moments` dtype one moment takes (its bytes for 8-bit moments)."""
+    return moment_nbytes(numel, moments) // moments.itemsize
+
+
+def value_dtype(moments: torch.dtype) -> torch.dtype:
+    """The dtype of the moments' values as export() hands them out: fp32 for 8-bit moments, else their own."""
+    return torch.float32 if moments == EIGHT_BIT else moments
+
+
+def moments_name(moments: torch.dtype) -> str:
+    """What checkpoints and messages call a moments dtype: float32, bfloat16 or int8."""
+    return "int8" if moments == EIGHT_BIT else str(moments).replace("torch.", "")
+
+
+def decoded(views: "AdamViews", numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The moments as values: themselves, or (8-bit) fp32 copies decoded from their codes."""
+    if views.exp_avg.dtype != EIGHT_BIT:
+        return views.exp_avg, views.exp_avg_sq
+    return (moments8.decode(views.exp_avg, numel, "exp_avg"), moments8.decode(views.exp_avg_sq, numel, "exp_avg_sq"))
+
+
+def encode_into(views: "AdamViews", numel: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    """Store decoded()'s (possibly changed) values back: nothing for fp32/bf16 views (they were the views),
+    8-bit codes rounded to nearest, so unchanged values keep their codes exactly."""
+    if views.exp_avg.dtype != EIGHT_BIT:
+        return
+    moments8.encode_(views.exp_avg, exp_avg, "exp_avg")
+    moments8.encode_(views.exp_avg_sq, exp_avg_sq, "exp_avg_sq")
 
 
 @dataclass(slots=True)
@@ -136,16 +186,22 @@ class GroupState(abc.ABC):
         return out_lowp is not None
 
     def export(self, owner, views: AdamViews, use):
-        """Hand host views to `use(owner, p, m, v)`; returns its wait (see ShardedAdam.export_state)."""
-        return use(owner, views.param, views.exp_avg, views.exp_avg_sq)
+        """Hand host views to `use(owner, p, m, v)`; returns its wait (see ShardedAdam.export_state). 8-bit
+        moments go as decoded fp32 copies, which the wait keeps alive."""
+        return use(owner, views.param, *decoded(views, self.numel))
 
     def import_(self, owner, views: AdamViews, fill) -> None:
-        """`fill(owner, p, m, v)` writes the new state into host views (see ShardedAdam.import_state)."""
-        fill(owner, views.param, views.exp_avg, views.exp_avg_sq)
+        """`fill(owner, p, m, v)` writes the new state into host views (see ShardedAdam.import_state); 8-bit
+        moments are filled as fp32 values and encoded after (rounded to nearest: an unchanged value keeps its
+        code)."""
+        m, v = decoded(views, self.numel)
+        fill(owner, views.param, m, v)
+        encode_into(views, self.numel, m, v)
 
 
 class HostState(GroupState):
-    """offload_optimizer cpu: three fp32 tensors in host RAM (12 bytes per parameter), stepped by CPU Adam."""
+    """offload_optimizer cpu: the fp32 master and two moments in host RAM (12 bytes per parameter; 8 with bf16
+    moments, about 6 with 8-bit ones), stepped by CPU Adam."""
 
     tier = Tier.CPU
 
@@ -157,7 +213,8 @@ class HostState(GroupState):
         are page-locked, and so is the group's gradient buffer (filled from the device); the moments never
         cross, so they are not."""
         self.views = AdamViews(torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin),
-                               *(torch.zeros(numel, dtype=moments, device=device) for _ in range(2)))
+                               *(torch.zeros(_moment_len(numel, moments), dtype=moments, device=device)
+                                 for _ in range(2)))
 
     @property
     def device(self) -> torch.device:
@@ -200,26 +257,29 @@ class DeviceState(HostState):
     def export(self, owner, views: AdamViews, use):
         if self._on_host():
             return super().export(owner, views, use)
+        state = (views.param, *decoded(views, self.numel))
         for sub, lo, hi in self.slices:
-            use(sub, *(t[lo:hi].cpu() for t in (views.param, views.exp_avg, views.exp_avg_sq)))()
+            use(sub, *(t[lo:hi].cpu() for t in state))()
         return None
 
     def import_(self, owner, views: AdamViews, fill) -> None:
         if self._on_host():
             return super().import_(owner, views, fill)
+        state = (views.param, *decoded(views, self.numel))
         for sub, lo, hi in self.slices:
             # From the current values: what fill leaves alone (a non-strict load) must stay as it is.
-            tmp = [t[lo:hi].to(HOST) for t in (views.param, views.exp_avg, views.exp_avg_sq)]
+            tmp = [t[lo:hi].to(HOST) for t in state]
             fill(sub, *tmp)
-            for dst, src in zip((views.param, views.exp_avg, views.exp_avg_sq), tmp):
+            for dst, src in zip(state, tmp):
                 dst[lo:hi].copy_(src)
+        encode_into(views, self.numel, *state[1:])
 
 
 class NvmeState(GroupState):
-    """offload_optimizer nvme: one swap partition [param | exp_avg | exp_avg_sq] of n fp32 values and 2n moments.
+    """offload_optimizer nvme: one swap partition [param | exp_avg | exp_avg_sq] of n fp32 values and two moments.
 
     The group moves in one read and one write of 12 bytes per parameter (8
-    with bf16 moments), through one pool buffer of the swapper's pool. Between open() and
+    with bf16 moments; with 8-bit ones each moment is its codes and block scales, state_nbytes), through one pool buffer of the swapper's pool. Between open() and
     close() that buffer is the group's; close(write=True) hands it to the
     write and the swapper's reaper gives it back (see [Note: who releases a
     swap-out buffer] in swapper.py).
@@ -246,7 +306,7 @@ class NvmeState(GroupState):
         self.id = part_id
         self._read = None  # the prefetched (or open()'s) read future
         self._blank = None  # the pool buffer open(blank=True) took, until close() hands it to the write
-        self._words = state_bytes(moments, master=master) * numel // 4
+        self._words = state_nbytes(numel, moments, master=master) // 4
         """The partition's length in fp32 words (it is swapped as fp32; the moments are viewed in their dtype)."""
         self.lowp = lowp
         self.tail_nbytes = 0 if lowp is None else numel * torch.empty((), dtype=lowp).element_size()
@@ -266,16 +326,16 @@ class NvmeState(GroupState):
         return 4 * self._words
 
     def _views(self, buf) -> AdamViews:
-        n = self.numel
+        n, k = self.numel, _moment_len(self.numel, self.moments)
         state = buf.view(torch.float32, self._words)
         if not self.master:
             moments = state.view(self.moments)
-            return AdamViews(None, moments[:n], moments[n:])
+            return AdamViews(None, moments[:k], moments[k:])
         moments = state[n:].view(self.moments)
         lowp = None
         if self.lowp is not None:
             lowp = buf.tensor[4 * self._words:4 * self._words + self.tail_nbytes].view(self.lowp)
-        return AdamViews(state[:n], moments[:n], moments[n:], lowp)
+        return AdamViews(state[:n], moments[:k], moments[k:], lowp)
 
     @property
     def path(self) -> str:
@@ -376,12 +436,14 @@ class _Lent:
 
 def _device_adam(views: AdamViews, grad, *, step, lr, betas, eps, weight_decay, adamw, bias_correction,
                  grad_scale, moment_rounding: str = "nearest", moment_seed: int = 0):
-    """Adam on an accelerator: the same math as cpu_adam_step, in torch ops (bf16 moments: updated in fp32,
-    stored with the kernel's rounding and, when stochastic, its random bits)."""
+    """Adam on an accelerator: the same math as cpu_adam_step, in torch ops (bf16 and 8-bit moments: updated in
+    fp32, stored with the kernel's rounding and, when stochastic, its random bits)."""
     grad = grad / grad_scale
     p, m, v = views.param, views.exp_avg, views.exp_avg_sq
     low = m.dtype != torch.float32
-    if low:
+    if m.dtype == EIGHT_BIT:
+        m, v = decoded(views, p.numel())
+    elif low:
         m, v = m.float(), v.float()
     if not adamw and weight_decay:
         grad = grad.add(p, alpha=weight_decay)
@@ -395,37 +457,13 @@ def _device_adam(views: AdamViews, grad, *, step, lr, betas, eps, weight_decay, 
         p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
         return
     p.addcdiv_(m, (v.sqrt() * (1 / math.sqrt(bc2))).add_(eps), value=-lr / bc1)
+    if views.exp_avg.dtype == EIGHT_BIT:
+        seed = moment_seed if moment_rounding == "stochastic" else None
+        moments8.encode_(views.exp_avg, m, "exp_avg", seed=seed)
+        moments8.encode_(views.exp_avg_sq, v, "exp_avg_sq", seed=seed)
+        return
     for dst, new, shift in ((views.exp_avg, m, 0), (views.exp_avg_sq, v, 16)):
         if moment_rounding == "stochastic":
             dst.copy_(bf16_stochastic(new, moment_seed, shift))
         else:
             dst.copy_(new)
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def moment_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """native/cpu/adam.hpp's moment_bits in torch ops (int64 holding uint32 values), for any device."""
-    x = ((index * 0x9E3779B1) & _MASK32) ^ seed
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _MASK32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def bf16_stochastic(x: torch.Tensor, seed: int, shift: int, *, chunk: int = 1 << 24) -> torch.Tensor:
-    """fp32 -> bf16 as the CPU kernel rounds a moment: bits (moment_bits(seed, i) >> shift) & 0xffff added below
-    the kept 16 (shift 0 for exp_avg, 16 for exp_avg_sq); NaN becomes 0xffff. Works in chunks to bound the
-    int64 temporaries."""
-    flat = x.reshape(-1)
-    out = torch.empty(flat.numel(), dtype=torch.int16, device=x.device)
-    for lo in range(0, flat.numel(), chunk):
-        part = flat[lo:lo + chunk]
-        idx = torch.arange(lo, lo + part.numel(), dtype=torch.int64, device=x.device) & _MASK32
-        r = (moment_bits(seed, idx) >> shift) & 0xFFFF
-        u = part.view(torch.int32).to(torch.int64) & _MASK32
-        bits = ((u + r) >> 16).masked_fill_(torch.isnan(part), 0xFFFF)
-        out[lo:lo + part.numel()] = (bits - ((bits >> 15) << 16)).to(torch.int16)  # uint16 -> int16, same bits
-    return out.view(torch.bfloat16).view(x.shape)

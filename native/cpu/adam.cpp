@@ -23,6 +23,7 @@
 // takes one of its two divisions out of a loop that division bounds.
 #include "adam.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 
@@ -76,8 +77,56 @@ AdamScalars adam_scalars(const AdamArgs& a) {
   return s;
 }
 
+// The 8-bit reference, one block [lo, hi) (hi - lo <= kMomentBlock, lo a multiple of it): each element is
+// decoded, updated exactly as with bf16 moments, and its new m and u = sqrt(v) are kept; then the block's
+// scales come from the largest magnitudes, and the new values are encoded against them.
+void adam_block8_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  const uint8_t* mc = static_cast<const uint8_t*>(a.exp_avg);
+  const uint8_t* vc = static_cast<const uint8_t*>(a.exp_avg_sq);
+  const size_t b = lo / kMomentBlock;
+  const uint32_t em = f32_bits(a.exp_avg_scale[b]) >> 23, ev = f32_bits(a.exp_avg_sq_scale[b]) >> 23;
+  float new_m[kMomentBlock], new_u[kMomentBlock];
+  uint32_t peak_m = 0, peak_u = 0;
+  for (size_t i = lo; i < hi; ++i) {
+    float g = load_grad(a.grad, a.grad_dtype, i) * s.inv_scale;
+    float p = a.param[i];
+    if (s.l2 != 0.0f) g = g + s.l2 * p;
+    p = p * s.decay;
+    float m = decode8<3>(mc[i], em);
+    m = s.lerp_low ? m + s.w1 * (g - m) : g - (g - m) * (1.0f - s.w1);
+    const float u_old = decode8<4>(vc[i], ev);
+    float v = (u_old * u_old) * s.beta2;                          // v = u * u, exact (u has 5 bits)
+    v = v + s.c2 * g * g;
+    const float u = std::sqrt(v);
+    p = p + s.neg_step * (m / (u * s.inv_bc2_sqrt + s.eps));
+    a.param[i] = p;
+    if (a.out_lowp) {
+      uint16_t* out = static_cast<uint16_t*>(a.out_lowp);
+      out[i] = a.lowp_dtype == Dtype::kBF16 ? f32_to_bf16(p) : f32_to_f16(p);
+    }
+    new_m[i - lo] = m, new_u[i - lo] = u;
+    peak_m = std::max(peak_m, f32_bits(m) & 0x7fffffffu);
+    peak_u = std::max(peak_u, f32_bits(u) & 0x7fffffffu);
+  }
+  const uint32_t nm = block_exponent(peak_m), nv = block_exponent(peak_u);
+  a.exp_avg_scale[b] = bits_f32(nm << 23);
+  a.exp_avg_sq_scale[b] = bits_f32(nv << 23);
+  const bool nearest = a.moment_rounding != Rounding::kStochastic;
+  uint8_t* mo = static_cast<uint8_t*>(a.exp_avg);
+  uint8_t* vo = static_cast<uint8_t*>(a.exp_avg_sq);
+  for (size_t i = lo; i < hi; ++i) {
+    const uint32_t bits = nearest ? 0 : moment_bits(a.moment_seed, static_cast<uint32_t>(i));
+    mo[i] = static_cast<uint8_t>(encode8<3>(new_m[i - lo], nm, (bits & 0xffffu) << 4, nearest));
+    vo[i] = static_cast<uint8_t>(encode8<4>(new_u[i - lo], nv, (bits >> 16) << 3, nearest));
+  }
+}
+
 // The reference. One element at a time, in torch.optim.AdamW's order.
 void adam_range_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  if (a.moment_dtype == Dtype::kI8) {
+    for (size_t b = lo; b < hi; b += kMomentBlock) adam_block8_scalar(a, s, b, std::min(hi, b + kMomentBlock));
+    return;
+  }
   for (size_t i = lo; i < hi; ++i) {
     float g = load_grad(a.grad, a.grad_dtype, i) * s.inv_scale;  // unscale: grad * (1 / loss_scale)
     float p = a.param[i];
@@ -139,7 +188,9 @@ bool adam_step(const AdamArgs& a, SimdLevel level) {
   // write, so the check is its own read-only sweep over the gradients
   // (2-4 of the ~30 bytes an element moves); the state is touched once.
   if (a.check_finite && any_nonfinite(a.grad, a.grad_dtype, a.n, s.inv_scale, level)) return true;
-  parallel_for(a.n, kAlign, kMinPerThread, [&](size_t lo, size_t hi) { update(a, s, lo, hi); });
+  // 8-bit moments: a thread's range is whole blocks, since a block's scale depends on all its elements.
+  const size_t align = a.moment_dtype == Dtype::kI8 ? kMomentBlock : kAlign;
+  parallel_for(a.n, align, kMinPerThread, [&](size_t lo, size_t hi) { update(a, s, lo, hi); });
   return false;
 }
 

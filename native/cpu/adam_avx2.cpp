@@ -56,6 +56,27 @@ struct V {
   static I iand(I a, I b) { return _mm256_and_si256(a, b); }
   template <int k>
   static I isrl(I a) { return _mm256_srli_epi32(a, k); }
+  // For 8-bit moments (adam_kernel8 in adam_kernel.inl).
+  static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I ior(I a, I b) { return _mm256_or_si256(a, b); }
+  template <int k>
+  static I isll(I a) { return _mm256_slli_epi32(a, k); }
+  static I fbits(F x) { return _mm256_castps_si256(x); }
+  static F ibits(I x) { return _mm256_castsi256_ps(x); }
+  static I iclamp(I x, int lo, int hi) { return _mm256_min_epi32(_mm256_max_epi32(x, _mm256_set1_epi32(lo)), _mm256_set1_epi32(hi)); }
+  static I imaxu(I a, I b) { return _mm256_max_epu32(a, b); }
+  static uint32_t hmaxu(I a) {
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+  }
+  static I zero_where_zero(I x, I test) { return _mm256_andnot_si256(_mm256_cmpeq_epi32(test, _mm256_setzero_si256()), x); }
+  static I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static void store_u8(uint8_t* p, I x) {  // each lane <= 255: two unsigned-saturating packs keep it
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+  }
   static F load_bf16(const uint16_t* p) { return load_grad<Dtype::kBF16>(p, 0); }
   // Stores the bf16 bits r (one per 32-bit lane, <= 0xffff), with 0xffff for the lanes where x is NaN.
   static void store_bf16_bits(uint16_t* out, F x, __m256i r) {

@@ -53,6 +53,19 @@ struct V {
   static I iand(I a, I b) { return _mm512_and_si512(a, b); }
   template <int k>
   static I isrl(I a) { return _mm512_srli_epi32(a, k); }
+  // For 8-bit moments (adam_kernel8 in adam_kernel.inl).
+  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I ior(I a, I b) { return _mm512_or_si512(a, b); }
+  template <int k>
+  static I isll(I a) { return _mm512_slli_epi32(a, k); }
+  static I fbits(F x) { return _mm512_castps_si512(x); }
+  static F ibits(I x) { return _mm512_castsi512_ps(x); }
+  static I iclamp(I x, int lo, int hi) { return _mm512_min_epi32(_mm512_max_epi32(x, _mm512_set1_epi32(lo)), _mm512_set1_epi32(hi)); }
+  static I imaxu(I a, I b) { return _mm512_max_epu32(a, b); }
+  static uint32_t hmaxu(I a) { return _mm512_reduce_max_epu32(a); }
+  static I zero_where_zero(I x, I test) { return _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(test, test), x); }
+  static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store_u8(uint8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
   static F load_bf16(const uint16_t* p) { return load_grad<Dtype::kBF16>(p, 0); }
   // One vector of bf16 from 32-bit lanes whose high halves are the bf16 bits (the *_unshifted forms below).
   static void store_high_half(uint16_t* out, __m512i r) {

@@ -111,6 +111,96 @@ static void adam_kernel(const AdamArgs& a, const AdamScalars& s, size_t lo, size
   if (i < hi) adam_range_scalar(a, s, i, hi);
 }
 
+// 8-bit moments: decode8 / encode8 (adam.hpp) for V::kWidth lanes.
+template <int M>
+static typename V::F decode8_v(typename V::I code, uint32_t e) {
+  const typename V::I mag = V::iand(code, V::iset1((1u << (4 + M)) - 1));
+  typename V::I bits = V::template isll<23 - M>(V::iadd(mag, V::iset1((e - 15) << M)));
+  bits = V::zero_where_zero(bits, mag);
+  if (M == 3) bits = V::ior(bits, V::template isll<31>(V::template isrl<7>(code)));
+  return V::ibits(bits);
+}
+
+template <int M>
+static typename V::I encode8_v(typename V::F x, uint32_t e, typename V::I r, bool nearest) {
+  constexpr int cut = 23 - M;
+  const typename V::I bits = V::fbits(x), a = V::iand(bits, V::iset1(0x7fffffffu));
+  if (nearest) r = V::iadd(V::iset1((1u << (cut - 1)) - 1), V::iand(V::template isrl<cut>(a), V::iset1(1)));
+  typename V::I q = V::isub(V::template isrl<cut>(V::iadd(a, r)), V::iset1((e - 15) << M));
+  q = V::iclamp(q, 0, (1 << (4 + M)) - 1);
+  if (M == 3) q = V::ior(q, V::template isll<7>(V::template isrl<31>(bits)));
+  return q;
+}
+
+// Adam over 8-bit moments, a block at a time: adam_block8_scalar's two passes (decode and update, keeping the
+// new m and u = sqrt(v) in L1; then the scales and the codes), operation for operation. A last, partial
+// block goes to the scalar reference.
+template <Dtype G, int LOWP>
+static void adam_kernel8(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  typedef typename V::F F;
+  typedef typename V::I I;
+  const uint8_t* const mc = static_cast<const uint8_t*>(a.exp_avg);
+  const uint8_t* const vc = static_cast<const uint8_t*>(a.exp_avg_sq);
+  uint8_t* const mo = static_cast<uint8_t*>(a.exp_avg);
+  uint8_t* const vo = static_cast<uint8_t*>(a.exp_avg_sq);
+  const F inv = V::set1(s.inv_scale), decay = V::set1(s.decay), l2 = V::set1(s.l2);
+  const F w1 = V::set1(s.w1), omw1 = V::set1(1.0f - s.w1), beta2 = V::set1(s.beta2), c2 = V::set1(s.c2);
+  const F inv_bc2 = V::set1(s.inv_bc2_sqrt), eps = V::set1(s.eps), neg_step = V::set1(s.neg_step);
+  const I abs_mask = V::iset1(0x7fffffffu), low16 = V::iset1(0xffffu);
+  const bool use_l2 = s.l2 != 0.0f, lerp_low = s.lerp_low;
+  const bool nearest = a.moment_rounding != Rounding::kStochastic;
+  alignas(64) float new_m[kMomentBlock];
+  alignas(64) float new_u[kMomentBlock];
+  for (size_t b0 = lo; b0 < hi; b0 += kMomentBlock) {
+    if (hi - b0 < kMomentBlock) {
+      adam_block8_scalar(a, s, b0, hi);
+      break;
+    }
+    const size_t blk = b0 / kMomentBlock;
+    uint32_t em, ev;
+    memcpy(&em, a.exp_avg_scale + blk, 4);
+    memcpy(&ev, a.exp_avg_sq_scale + blk, 4);
+    em >>= 23, ev >>= 23;
+    I peak_m = V::iset1(0), peak_u = V::iset1(0);
+    for (size_t j = 0; j < kMomentBlock; j += V::kWidth) {
+      const size_t i = b0 + j;
+      F g = V::mul(V::template load_grad<G>(a.grad, i), inv);
+      F p = V::load(a.param + i);
+      if (use_l2) g = V::add(g, V::mul(l2, p));
+      p = V::mul(p, decay);
+      F m = decode8_v<3>(V::load_u8(mc + i), em);
+      m = lerp_low ? V::add(m, V::mul(w1, V::sub(g, m))) : V::sub(g, V::mul(V::sub(g, m), omw1));
+      const F u_old = decode8_v<4>(V::load_u8(vc + i), ev);
+      F v = V::mul(V::mul(u_old, u_old), beta2);
+      v = V::add(v, V::mul(V::mul(c2, g), g));
+      const F u = V::sqrt(v);
+      p = V::add(p, V::mul(neg_step, V::div(m, V::add(V::mul(u, inv_bc2), eps))));
+      V::store(a.param + i, p);
+      if (LOWP == 1) V::store_bf16(static_cast<uint16_t*>(a.out_lowp) + i, p);
+      if (LOWP == 2) V::store_f16(static_cast<uint16_t*>(a.out_lowp) + i, p);
+      V::store(new_m + j, m);
+      V::store(new_u + j, u);
+      peak_m = V::imaxu(peak_m, V::iand(V::fbits(m), abs_mask));
+      peak_u = V::imaxu(peak_u, V::iand(V::fbits(u), abs_mask));
+    }
+    const uint32_t nm = block_exponent(V::hmaxu(peak_m)), nv = block_exponent(V::hmaxu(peak_u));
+    const uint32_t sm = nm << 23, sv = nv << 23;
+    memcpy(a.exp_avg_scale + blk, &sm, 4);
+    memcpy(a.exp_avg_sq_scale + blk, &sv, 4);
+    for (size_t j = 0; j < kMomentBlock; j += V::kWidth) {
+      const size_t i = b0 + j;
+      I rm = V::iset1(0), rv = V::iset1(0);
+      if (!nearest) {
+        const I bits = moment_bits_v(a.moment_seed, i);
+        rm = V::template isll<4>(V::iand(bits, low16));
+        rv = V::template isll<3>(V::template isrl<16>(bits));
+      }
+      V::store_u8(mo + i, encode8_v<3>(V::load(new_m + j), nm, rm, nearest));
+      V::store_u8(vo + i, encode8_v<4>(V::load(new_u + j), nv, rv, nearest));
+    }
+  }
+}
+
 template <Dtype G>
 static bool nonfinite_kernel(const void* grad, float inv_scale, size_t lo, size_t hi) {
   const typename V::F inv = V::set1(inv_scale);
@@ -133,6 +223,7 @@ static bool nonfinite_kernel(const void* grad, float inv_scale, size_t lo, size_
 
 template <Dtype G, int LOWP>
 static void adam_dispatch_moments(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
+  if (a.moment_dtype == Dtype::kI8) return adam_kernel8<G, LOWP>(a, s, lo, hi);
   if (a.moment_dtype != Dtype::kBF16) return adam_kernel<G, LOWP, 0>(a, s, lo, hi);
   return a.moment_rounding == Rounding::kStochastic ? adam_kernel<G, LOWP, 2>(a, s, lo, hi)
                                                     : adam_kernel<G, LOWP, 1>(a, s, lo, hi);

@@ -148,6 +148,58 @@ int main() {
       }
       }
     }
+    // 8-bit moments, both roundings, every copy mode: every SIMD path equals the scalar reference bit for bit,
+    // over whole blocks, a last partial block, several threads' ranges, and (special) NaN/inf gradients.
+    for (size_t n : {1ul, 255ul, 256ul, 257ul, 100003ul}) {
+      for (int cfg = 0; cfg < 6; ++cfg) {
+      const int mode = cfg % 3;
+      const bool special = cfg >= 3;
+      for (Rounding rnd : {Rounding::kNearest, Rounding::kStochastic}) {
+        for (Dtype gdt : {Dtype::kF32, Dtype::kBF16}) {
+          State a = make_state(n, static_cast<unsigned>(n) + 11, gdt);
+          if (special) {
+            const float odd[] = {std::nanf(""), INFINITY, -INFINITY, 1e-40f, 3e38f, -2e19f, 0.0f, -0.0f};
+            for (size_t i = 0; i <= n; i += 5) {
+              a.g32[i] = odd[(i / 5) % (sizeof odd / sizeof odd[0])];
+              a.g16[i] = f32_to_bf16(a.g32[i]);
+            }
+          }
+          const size_t blocks = (n + kMomentBlock - 1) / kMomentBlock;
+          std::vector<uint8_t> am(n + 1), av(n + 1);
+          std::vector<float> ams(blocks + 1, 0.0f), avs(blocks + 1, 0.0f);
+          State b = a;
+          std::vector<uint8_t> bm = am, bv = av;
+          std::vector<float> bms = ams, bvs = avs;
+          const Dtype ldt = mode == 2 ? Dtype::kF16 : Dtype::kBF16;
+          AdamArgs x = args_for(a, n, gdt, mode > 0, ldt), y = args_for(b, n, gdt, mode > 0, ldt);
+          x.check_finite = y.check_finite = !special;
+          x.exp_avg = am.data() + 1, x.exp_avg_sq = av.data() + 1;
+          y.exp_avg = bm.data() + 1, y.exp_avg_sq = bv.data() + 1;
+          x.exp_avg_scale = ams.data() + 1, x.exp_avg_sq_scale = avs.data() + 1;
+          y.exp_avg_scale = bms.data() + 1, y.exp_avg_sq_scale = bvs.data() + 1;
+          x.moment_dtype = y.moment_dtype = Dtype::kI8;
+          x.moment_rounding = y.moment_rounding = rnd;
+          for (int step = 1; step <= 3; ++step) {
+            x.step = y.step = step;
+            x.moment_seed = y.moment_seed = 2000u + static_cast<uint32_t>(step);
+            CHECK(!adam_step(x, level));
+            CHECK(!adam_step(y, SimdLevel::kScalar));
+          }
+          CHECK(am == bm && av == bv && same_f32(ams, bms) && same_f32(avs, bvs));
+          CHECK(special ? same_f32(a.p, b.p) : a.p == b.p);
+          CHECK(special ? same_16(a.out, b.out, mode == 2 ? 0x7c00 : 0x7f80) : a.out == b.out);
+        }
+      }
+      }
+    }
+    // The 8-bit codes: a decoded value encodes to its own code, and the block exponent's floor.
+    for (uint32_t e : {16u, 100u, 127u, 200u})
+      for (uint32_t c = 0; c < 256; ++c) {
+        CHECK(encode8<3>(decode8<3>(c, e), e, 0, true) == (c & 0x7f ? c : c & 0x80));
+        CHECK(encode8<4>(decode8<4>(c, e), e, 0, true) == c);
+        CHECK(encode8<3>(decode8<3>(c, e), e, 0xffffu << 4, false) == (c & 0x7f ? c : c & 0x80));
+      }
+    CHECK(block_exponent(0) == 16 && block_exponent(0x3f800000u) == 127);
     // A NaN deep inside a large gradient: nothing may be written.
     State s = make_state(200000, 9, Dtype::kF32);
     s.g32[150001] = std::nanf("");

@@ -132,7 +132,7 @@ def test_a_wrong_moments_dtype_is_named():
     cfg = {"train_micro_batch_size_per_gpu": 1,
            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "moments_dtype": "fp16"}}}
     with pytest.raises(ConfigError, match=r'zero_optimization.offload_optimizer.moments_dtype.*must be one of '
-                                          r'fp32, bf16, got "fp16"'):
+                                          r'fp32, bf16, int8, got "fp16"'):
         load_config(cfg)
     cfg["zero_optimization"]["offload_optimizer"].update(moments_dtype="bf16", moments_rounding="down")
     with pytest.raises(ConfigError, match=r'moments_rounding.*must be one of nearest, stochastic, got "down"'):

@@ -8,7 +8,7 @@ import torch
 
 from infinity._native_loader import native
 from infinity.optim import cpu_adam_step
-from infinity.swap.state import bf16_stochastic, moment_bits
+from infinity.optim.rounding import bf16_stochastic, moment_bits
 
 LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 

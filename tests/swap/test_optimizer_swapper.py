@@ -102,7 +102,7 @@ def test_swap_context_respects_the_memory_budget(disk_dir):
 
     cfg = load_config({"zero_optimization": {"stage": 3, "sub_group_size": 100_000_000, "offload_optimizer": {
         "device": "nvme", "nvme_path": str(disk_dir), "buffer_count": 4}}, "infinity": {"memory_budget": "1GiB"}})
-    with pytest.raises(ConfigError, match=r"zero_optimization.offload_optimizer.buffer_count: 4 buffers x 12 B x "
-                                          r"100000000 parameters = 4.47 GiB exceeds infinity.memory_budget "
+    with pytest.raises(ConfigError, match=r"zero_optimization.offload_optimizer.buffer_count: 4 buffers x 1,200,000,000 B "
+                                          r"\(100,000,000 parameters' state\) = 4.47 GiB exceeds infinity.memory_budget "
                                           r"\(1.00 GiB\)"):
         SwapContext.for_optimizer(cfg)

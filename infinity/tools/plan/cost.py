@@ -69,6 +69,7 @@ from infinity.engine.plan import SPLIT_ALIGN
 from infinity.engine.plan import FLOOR as SPLIT_FLOOR
 from infinity.engine.plan import TARGET as SPLIT_TARGET
 from infinity.errors import NoPlacement  # noqa: F401 - raised here, defined there
+from infinity.swap.state import MOMENT_DTYPES, state_bytes
 from infinity.tools.plan.measure import Rates
 from infinity.tools.plan.shape import ModelShape
 
@@ -476,10 +477,11 @@ def _inflight_grads(full_grads: bool, group: int, shard: int) -> int:
     return int(INFLIGHT_GRAD_BYTES * min(group, shard / 2))
 
 
-def optimizer_state_bytes(base: dict | None) -> int:
-    """Optimizer state per parameter under config `base`: 12 B, or 8 with offload_optimizer.moments_dtype bf16."""
+def optimizer_state_bytes(base: dict | None) -> float:
+    """Optimizer state per parameter under config `base`: 12 B, 8 with offload_optimizer.moments_dtype bf16, about
+    6 with int8 (state_bytes)."""
     moments = ((base or {}).get("zero_optimization", {}).get("offload_optimizer", {}) or {}).get("moments_dtype")
-    return 8 if moments == "bf16" else 12
+    return state_bytes(MOMENT_DTYPES[moments or "fp32"])
 
 
 def step_phase(base: dict | None, *, precision: str, optimizer_tier: str, clipping: bool | None = None) -> str:

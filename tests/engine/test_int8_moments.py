@@ -1,0 +1,155 @@
+"""offload_optimizer.moments_dtype "int8" through the engine ([Note: 8-bit moments] in optim/moments8.py):
+every tier trains alike and close to fp32 moments, NVMe moves the format's bytes, checkpoints record the
+format, resume bit for bit and convert across formats with a message."""
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from infinity._native_loader import native
+from infinity.checkpoint.export import info
+from infinity.optim import OffloadAdamW, moments8
+from infinity.swap.state import EIGHT_BIT, DeviceState, state_nbytes
+from infinity.testing.parity import engine_config, engine_losses, gpt_engine, train_step
+
+pytestmark = pytest.mark.skipif(native is None, reason="8-bit moments need the native extension")
+STEPS = 5
+INT8 = {"zero_optimization.offload_optimizer.moments_dtype": "int8"}
+
+
+@pytest.fixture(scope="module")
+def fp32_losses():
+    return engine_losses(engine_config("none"), STEPS)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_every_tier_trains_the_same_and_close_to_fp32_moments(disk_dir, fp32_losses, rounding):
+    over = {"zero_optimization.offload_optimizer.moments_rounding": rounding}
+    runs = {tier: engine_losses(engine_config(tier, disk_dir, **INT8, **over), STEPS)
+            for tier in ("none", "cpu", "nvme")}
+    assert runs["none"] == runs["cpu"] == runs["nvme"]  # one kernel, one random stream per (step, group)
+    assert runs["cpu"] != fp32_losses  # the moments really are 8-bit
+    assert all(abs(a - b) < 1e-3 * abs(b) for a, b in zip(runs["cpu"], fp32_losses))
+    assert runs["cpu"][-1] < runs["cpu"][0]
+
+
+def test_nvme_moves_the_formats_bytes_each_way(disk_dir):
+    reports = []
+    e = gpt_engine(engine_config("nvme", disk_dir, **INT8))
+    try:
+        for s in range(3):
+            train_step(e, s)
+            reports.append(e.last_report)
+        states = [g.state for g in e.optimizer.groups]
+        assert {s.moments for s in states} == {EIGHT_BIT}
+        # fp32 master, then each moment's codes and one fp32 scale per 256: about 6 B per parameter
+        assert all(s.io_bytes == 4 * s.numel + 2 * moments8.nbytes(s.numel) for s in states)
+        assert all(s.io_bytes <= 6.04 * s.numel + 16 for s in states)
+        assert all(0 <= os.path.getsize(s.path) - 4096 - s.io_bytes < 4096 for s in states)
+        total = sum(s.io_bytes for s in states)
+    finally:
+        e.close()
+    r = reports[-1]
+    assert r.optimizer_read_bytes == r.optimizer_write_bytes == total
+
+
+def test_the_accelerator_path_tracks_the_kernel(disk_dir, monkeypatch):
+    """DeviceState on an accelerator steps in torch ops (moments8's codec, the kernel's random bits); run here on
+    the host, it tracks the CPU kernel within fp32 noise."""
+    cpu = engine_losses(engine_config("cpu", disk_dir, **INT8), STEPS)
+    monkeypatch.setattr(DeviceState, "_on_host", lambda self: False)
+    dev = engine_losses(engine_config("none", disk_dir, **INT8), STEPS)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(dev, cpu))
+
+
+def _moments(e) -> list[torch.Tensor]:
+    """Every group's decoded moments, in order."""
+    out = []
+    for g in e.optimizer.groups:
+        state = g.state
+        views = state.open()
+        if views.exp_avg.dtype == EIGHT_BIT:
+            out += [moments8.decode(views.exp_avg, state.numel, "exp_avg"),
+                    moments8.decode(views.exp_avg_sq, state.numel, "exp_avg_sq")]
+        else:
+            out += [views.exp_avg.float().clone(), views.exp_avg_sq.float().clone()]
+        state.close(write=False)
+    return out
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_checkpoints_record_the_format_and_resume_bit_for_bit(disk_dir, tier):
+    ck = str(disk_dir / "ck")
+    e = gpt_engine(engine_config(tier, disk_dir, **INT8))
+    try:
+        for s in range(2):
+            train_step(e, s)
+        e.save_checkpoint(ck)
+        saved = _moments(e)
+        after = [train_step(e, s) for s in range(2, 4)]
+    finally:
+        e.close()
+    meta = info(ck, verify=True)
+    assert meta["moments_dtype"] == "int8"
+    arr = json.load(open(os.path.join(meta["path"], "exp_avg", "blocks.0.fc.weight", "zarr.json")))
+    assert arr["data_type"] == "float32"  # the decoded values, which encode back to the same codes
+
+    e = gpt_engine(engine_config(tier, disk_dir, **INT8))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            e.load_checkpoint(ck)
+        assert all(torch.equal(a, b) for a, b in zip(_moments(e), saved))
+        assert [train_step(e, s) for s in range(2, 4)] == after
+    finally:
+        e.close()
+
+    # Into fp32 moments: the same values, and said.
+    e = gpt_engine(engine_config(tier, str(disk_dir)))
+    try:
+        with pytest.warns(UserWarning, match=r"holds Adam moments in int8, this engine keeps them in float32 "
+                                             r"\(offload_optimizer.moments_dtype\); they were converted "
+                                             r"\(widened exactly\)"):
+            e.load_checkpoint(ck)
+        assert all(torch.equal(a, b) for a, b in zip(_moments(e), saved))
+    finally:
+        e.close()
+
+
+def test_fp32_checkpoint_into_int8_moments_is_encoded_and_said(disk_dir):
+    ck = str(disk_dir / "ck32")
+    e = gpt_engine(engine_config("cpu", str(disk_dir)))
+    try:
+        train_step(e, 0)
+        e.save_checkpoint(ck)
+        fp32 = _moments(e)
+    finally:
+        e.close()
+    e = gpt_engine(engine_config("cpu", disk_dir, **INT8))
+    try:
+        with pytest.warns(UserWarning, match=r"holds Adam moments in float32, this engine keeps them in int8 "
+                                             r".*converted \(encoded into 8-bit blocks, rounded to nearest\)"):
+            e.load_checkpoint(ck)
+        got = _moments(e)
+        assert e.optimizer.groups[0].state.views.exp_avg.dtype == EIGHT_BIT
+        for a, b in zip(got, fp32):
+            kept = b.abs() >= b.abs().max() * 2.0 ** -12  # far above each block's flush-to-zero floor
+            assert torch.allclose(a[kept], b[kept], rtol=2.0 ** -4, atol=0)
+    finally:
+        e.close()
+
+
+def test_state_bytes_are_exact_for_every_group_size():
+    for n in (1, 255, 256, 257, 10_000):
+        assert state_nbytes(n, EIGHT_BIT) == 4 * n + 2 * moments8.nbytes(n)
+        assert state_nbytes(n, EIGHT_BIT) % 4 == 0
+
+
+def test_offload_adamw_refuses_int8_and_says_what_to_use(tmp_path):
+    p = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"moments_dtype='int8' is for the ZeRO engine .* use "
+                                         r"moments_dtype='bf16' here"):
+        OffloadAdamW([p], offload="cpu", moments_dtype="int8")
