@@ -3,6 +3,8 @@
     python bench/zero3_vs_deepspeed.py --nvme-path /var/tmp/z3 --rounds 3
     python bench/zero3_vs_deepspeed.py --nvme-path /var/tmp/z3 --gas 4     # gradient accumulation 4
     python bench/zero3_vs_deepspeed.py --nvme-path /var/tmp/z3 --bf16      # bf16 compute, fp32 master
+    python bench/zero3_vs_deepspeed.py --nvme-path /var/tmp/z3 --clip 1.0 --moments int8  # clipping on both
+                                                            # sides; infinity's moments in 8 bits
 
 The model is 16 x Linear(2048, 2048) (67.1M fp32 parameters) trained on a
 fixed random regression batch with a DeepSpeed-style config: 5 parameter
@@ -34,19 +36,25 @@ import time
 LAYERS, DIM = 16, 2048
 
 
-def config(nvme: str, gas: int, bf16: bool = False) -> dict:
+def config(nvme: str, gas: int, bf16: bool = False, clip: float = 0.0, moments: str = "fp32") -> dict:
+    """The DeepSpeed-style config; `moments` (offload_optimizer.moments_dtype) is infinity's alone: DeepSpeed's
+    side always gets fp32 (it has no such key)."""
     block = DIM * DIM
+    optimizer = {"device": "nvme", "nvme_path": nvme, "buffer_count": 12}
+    if moments != "fp32":
+        optimizer["moments_dtype"] = moments
     return {
         "train_micro_batch_size_per_gpu": 8,
         "bf16": {"enabled": bf16},
         "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
         "steps_per_print": 1 << 30,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,
             "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 5, "buffer_size": block,
                               "max_in_cpu": 0},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 12},
+            "offload_optimizer": optimizer,
             "sub_group_size": 2 * block,
             "stage3_param_persistence_threshold": 0,
             "stage3_prefetch_bucket_size": 2 * block,
@@ -64,7 +72,8 @@ def _proc_io() -> tuple[int, int]:
     return int(kv["read_bytes"]), int(kv["write_bytes"])
 
 
-def train(side: str, nvme: str, steps: int, gas: int, bf16: bool = False) -> dict:
+def train(side: str, nvme: str, steps: int, gas: int, bf16: bool = False, clip: float = 0.0,
+          moments: str = "fp32") -> dict:
     """The training script, written as DeepSpeedExamples write theirs; only the import differs by side."""
     import torch
 
@@ -78,7 +87,7 @@ def train(side: str, nvme: str, steps: int, gas: int, bf16: bool = False) -> dic
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg = config(nvme, gas, bf16)
+    cfg = config(nvme, gas, bf16, clip, moments if side == "infinity" else "fp32")
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = torch.nn.Sequential(*(torch.nn.Linear(DIM, DIM) for _ in range(LAYERS)))
@@ -111,11 +120,11 @@ def train(side: str, nvme: str, steps: int, gas: int, bf16: bool = False) -> dic
     return out
 
 
-def _side(side: str, nvme: str, steps: int, gas: int, bf16: bool) -> dict:
+def _side(side: str, nvme: str, steps: int, gas: int, bf16: bool, clip: float, moments: str) -> dict:
     d = tempfile.mkdtemp(prefix=f"{side}-", dir=nvme)
     try:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--nvme-path", d, "--steps", str(steps),
-               "--gas", str(gas)] + (["--bf16"] if bf16 else [])
+               "--gas", str(gas), "--clip", str(clip), "--moments", moments] + (["--bf16"] if bf16 else [])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
@@ -137,10 +146,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gas", type=int, default=1, help="gradient accumulation steps per optimizer step")
     p.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 master weights and moments)")
+    p.add_argument("--clip", type=float, default=0.0, help="gradient_clipping on both sides (default 0: off)")
+    p.add_argument("--moments", choices=("fp32", "bf16", "int8"), default="fp32",
+                   help="infinity's offload_optimizer.moments_dtype (DeepSpeed keeps fp32)")
     p.add_argument("--worker", choices=("infinity", "deepspeed"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(train(args.worker, args.nvme_path, args.steps, args.gas, args.bf16)))
+        print(json.dumps(train(args.worker, args.nvme_path, args.steps, args.gas, args.bf16, args.clip, args.moments)))
         return 0
     os.makedirs(args.nvme_path, exist_ok=True)
     sides = ["infinity"] + (["deepspeed"] if _have_deepspeed() else [])
@@ -149,7 +161,7 @@ def main(argv=None) -> int:
     runs = {s: [] for s in sides}
     for r in range(args.rounds):
         for s in (sides if r % 2 == 0 else sides[::-1]):
-            runs[s].append(_side(s, args.nvme_path, args.steps, args.gas, args.bf16))
+            runs[s].append(_side(s, args.nvme_path, args.steps, args.gas, args.bf16, args.clip, args.moments))
     summary = {}
     for s, rs in runs.items():
         steady = [statistics.median(r["step_s"][1:]) for r in rs]

@@ -17,6 +17,8 @@ Rows, per size:
   bf16 moments     infinity/<simd>/bf16-moments[-sr]: offload_optimizer.moments_dtype
                    "bf16", nearest-even or stochastic rounding, against torch's
                    fused fp32 AdamW (20 bytes per element move instead of 28),
+                   and infinity/<simd>/int8-moments[-sr]: moments_dtype "int8"
+                   (about 16 bytes per element: [Note: 8-bit moments]),
                    without the inf/nan pre-check, as the engine calls it (its
                    global check runs once over all gradients first);
                    each is first bit-compared with the scalar reference of the
@@ -36,6 +38,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from infinity._native_loader import native
+from infinity.optim import moments8
 from infinity.units import parse_count
 
 LEVELS = ("avx512_bf16", "avx512", "avx2", "scalar")
@@ -101,40 +104,50 @@ class _Tensors:
         self.out = torch.empty(n, dtype=torch.bfloat16)
         self.m16 = torch.zeros(n, dtype=torch.bfloat16)
         self.v16 = torch.zeros(n, dtype=torch.bfloat16)
+        self.m8 = torch.zeros(moments8.nbytes(n), dtype=torch.uint8)
+        self.v8 = torch.zeros(moments8.nbytes(n), dtype=torch.uint8)
         self.step = 0
 
 
 def _native_step(t: _Tensors, level: str, grad, *, lowp: bool, check: bool, scale: float,
-                 rounding: str | None, step: int) -> None:
-    """One native step; `rounding` None: fp32 moments, else bf16 moments rounded that way."""
+                 rounding: str | None, step: int, moments: str = "bfloat16") -> None:
+    """One native step; `rounding` None: fp32 moments, else `moments` (bfloat16 or int8) rounded that way."""
     gdt = "bfloat16" if grad.dtype == torch.bfloat16 else "float32"
-    m, v = (t.m, t.v) if rounding is None else (t.m16, t.v16)
+    scales = (0, 0)
+    if rounding is None:
+        m, v, moments = t.m, t.v, "float32"
+    elif moments == "int8":
+        m, v = t.m8, t.v8
+        scales = tuple(moments8.split(x, t.p.numel())[1].data_ptr() for x in (m, v))
+    else:
+        m, v = t.m16, t.v16
     native.adam_step(t.p.data_ptr(), grad.data_ptr(), gdt, m.data_ptr(), v.data_ptr(), t.p.numel(),
                      step, 1e-4, 0.9, 0.999, 1e-8, 0.01, True, True, scale,
                      t.out.data_ptr() if lowp else 0, "bfloat16" if lowp else "", check, level,
-                     "float32" if rounding is None else "bfloat16", rounding or "nearest", step, 0, 0)
+                     moments, rounding or "nearest", step, *scales)
 
 
 def _ours(t: _Tensors, level: str, *, lowp: bool, check: bool, scale: float = 1.0, bf16_grads: bool = False,
-          rounding: str | None = None):
+          rounding: str | None = None, moments: str = "bfloat16"):
     grad = t.g16 if bf16_grads else t.g
 
     def run():
         t.step += 1
-        _native_step(t, level, grad, lowp=lowp, check=check, scale=scale, rounding=rounding, step=t.step)
+        _native_step(t, level, grad, lowp=lowp, check=check, scale=scale, rounding=rounding, step=t.step,
+                     moments=moments)
     return run
 
 
-def bitexact_vs_scalar(numel: int, level: str, rounding: str, steps: int = 3) -> bool:
-    """`level` and the scalar reference give the same bits for bf16 moments rounded `rounding`."""
+def bitexact_vs_scalar(numel: int, level: str, rounding: str, steps: int = 3, moments: str = "bfloat16") -> bool:
+    """`level` and the scalar reference give the same bits for `moments` (bfloat16 or int8) rounded
+    `rounding`."""
     a, b = _Tensors(numel), _Tensors(numel)
     for step in range(1, steps + 1):
-        _native_step(a, level, a.g, lowp=True, check=True, scale=1.0, rounding=rounding, step=step)
-        _native_step(b, "scalar", b.g, lowp=True, check=True, scale=1.0, rounding=rounding, step=step)
-    same = [torch.equal(x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32),
-                        y.view(torch.int16 if y.dtype == torch.bfloat16 else torch.int32))
-            for x, y in ((a.p, b.p), (a.m16, b.m16), (a.v16, b.v16), (a.out, b.out))]
-    return all(same)
+        for t, lv in ((a, level), (b, "scalar")):
+            _native_step(t, lv, t.g, lowp=True, check=True, scale=1.0, rounding=rounding, step=step, moments=moments)
+    held = ("m8", "v8") if moments == "int8" else ("m16", "v16")
+    return all(torch.equal(getattr(a, k).view(torch.uint8), getattr(b, k).view(torch.uint8))
+               for k in ("p", *held, "out"))
 
 
 class _TorchAdamW:
@@ -190,9 +203,10 @@ def measure(numel: int, repeats: int, levels: list[str]) -> list[AdamResult]:
         plan.append(("torch/fused", lowp, _torch(t, fused, lowp=lowp_on, amp=False)))
         plan.append(("torch/foreach", lowp, _torch(t, foreach, lowp=lowp_on, amp=False)))
     for lowp_on, lowp in ((False, None), (True, "bf16")):
-        for rounding, tag in (("nearest", "bf16-moments"), ("stochastic", "bf16-moments-sr")):
-            plan.append((f"infinity/{levels[0]}/{tag}", lowp,
-                         _ours(t, levels[0], lowp=lowp_on, check=False, rounding=rounding)))
+        for moments, kind in (("bfloat16", "bf16"), ("int8", "int8")):
+            for rounding, tag in (("nearest", f"{kind}-moments"), ("stochastic", f"{kind}-moments-sr")):
+                plan.append((f"infinity/{levels[0]}/{tag}", lowp,
+                             _ours(t, levels[0], lowp=lowp_on, check=False, rounding=rounding, moments=moments)))
     plan.append((f"infinity/{levels[0]}/amp", "bf16", _ours(t, levels[0], lowp=True, check=True, scale=1024.0)))
     plan.append(("torch/fused/amp", "bf16", _torch(t, fused, lowp=True, amp=True)))
     plan.append((f"infinity/{levels[0]}/amp-bf16grad", "bf16",
@@ -216,10 +230,11 @@ def measure(numel: int, repeats: int, levels: list[str]) -> list[AdamResult]:
         peer = f"torch/fused/{suffix}" if suffix.startswith("amp") else "torch/fused"
         base = next(x for x in rows if x.impl == peer and x.lowp == r.lowp)
         r.vs_torch_fused = paired_ratio(of[id(r)], of[id(base)])
-        if "bf16-moments" in r.impl:
+        if "-moments" in r.impl:
             # The roofline kernel moves fp32 moments: no fraction of it applies to these rows.
             rounding = "stochastic" if r.impl.endswith("-sr") else "nearest"
-            r.bitexact_vs_scalar = bitexact_vs_scalar(min(numel, 1 << 20) + 3, levels[0], rounding)
+            moments = "int8" if "int8-moments" in r.impl else "bfloat16"
+            r.bitexact_vs_scalar = bitexact_vs_scalar(min(numel, 1 << 20) + 3, levels[0], rounding, moments=moments)
         elif r.impl.startswith("infinity/"):
             r.roofline_frac = r.params_per_s / roof[r.lowp]
     return rows

@@ -37,6 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="alternate RAM and NVMe runs this many times")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--moments", choices=("fp32", "bf16", "int8"), default="fp32",
+                   help="offload_optimizer.moments_dtype for both variants")
     p.add_argument("--mmap-threshold", default="64KiB",
                    help="infinity.mmap_threshold for both variants (e.g. 32MiB: faster steps, more host memory)")
     p.add_argument("--json", action="store_true")
@@ -68,7 +70,20 @@ def config(args, variant: str, directory: str) -> dict:
         zero["offload_param"] = {"device": "nvme", "nvme_path": directory, "buffer_count": 6,
                                  "buffer_size": largest}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": directory, "buffer_count": 4}
+    # Both variants keep their moments in this dtype (callers outside the CLI, tests, may leave it out).
+    cfg["zero_optimization"]["offload_optimizer"]["moments_dtype"] = getattr(args, "moments", "fp32")
     return model, cfg
+
+
+def _proc_io() -> int:
+    """Bytes this process (all its threads) had storage read and write for it: /proc/self/io, the kernel's count,
+    beside the engine's own counters."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":") for line in f if ":" in line)
+        return int(fields["read_bytes"]) + int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return -1
 
 
 def child(args) -> int:
@@ -92,6 +107,7 @@ def child(args) -> int:
     try:
         for s in range(args.steps):
             x, y = batch(s, size=args.batch, model=model_cfg)
+            io0 = _proc_io()
             t0 = time.perf_counter()
             loss = engine(x, y)
             engine.backward(loss)
@@ -99,7 +115,8 @@ def child(args) -> int:
             r = engine.last_report
             steps.append({"step": s, "loss": loss.item(), "step_s": time.perf_counter() - t0,
                           "hit_rate": r.prefetch_hit_rate, "exposed_io_s": r.exposed_io_s,
-                          "io_bytes": r.io_read_bytes + r.io_write_bytes, "optimizer_s": r.optimizer_s})
+                          "io_bytes": r.io_read_bytes + r.io_write_bytes, "optimizer_s": r.optimizer_s,
+                          "proc_io_bytes": _proc_io() - io0 if io0 >= 0 else None})
     finally:
         engine.close()
     peak = peak_rss_bytes()
@@ -110,7 +127,8 @@ def child(args) -> int:
 
 def _run_child(args, variant: str, directory: str) -> dict:
     cmd = [sys.executable, "-m", "infinity", "bench", "train", "--child", variant, "--dir", directory]
-    for k in ("layers", "dim", "vocab", "seq", "heads", "batch", "steps", "warmup", "precision", "mmap_threshold"):
+    for k in ("layers", "dim", "vocab", "seq", "heads", "batch", "steps", "warmup", "precision", "moments",
+              "mmap_threshold"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
@@ -126,6 +144,8 @@ def summarise(runs: list[dict], warmup: int) -> dict:
             "hit_rate": min(s["hit_rate"] for s in steady),
             "exposed_io_s": statistics.median(s["exposed_io_s"] for s in steady),
             "bytes_per_param": statistics.median(s["io_bytes"] for s in steady) / run["numel"],
+            "proc_io_bytes_per_param": (statistics.median(s["proc_io_bytes"] for s in steady) / run["numel"]
+                                        if all(s.get("proc_io_bytes") is not None for s in steady) else None),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in runs), "loss_first": run["steps"][0]["loss"],
             "loss_last": run["steps"][-1]["loss"]}
 
@@ -148,19 +168,22 @@ def run(args) -> int:
 
             shutil.rmtree(directory, ignore_errors=True)
     a, b = summarise(ram, args.warmup), summarise(nvme, args.warmup)
-    result = {"numel": nvme[0]["numel"], "precision": args.precision, "batch": args.batch, "seq": args.seq,
+    result = {"numel": nvme[0]["numel"], "precision": args.precision, "moments": args.moments,
+              "batch": args.batch, "seq": args.seq,
               "mmap_threshold": args.mmap_threshold,
               "ram": a, "nvme": b, "ratio": b["step_s"] / a["step_s"]}
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"bench train: GPT {result['numel'] / 1e6:.1f}M params, {args.precision}, batch {args.batch} x {args.seq}, "
+    print(f"bench train: GPT {result['numel'] / 1e6:.1f}M params, {args.precision}, {args.moments} moments, "
+          f"batch {args.batch} x {args.seq}, "
           f"{args.rounds} x {args.steps} steps ({args.warmup} warm-up each), stage 3, mmap threshold "
           f"{args.mmap_threshold}, swap files in {directory}")
     print(f"{'variant':8} {'best step s':>11} {'median s':>9} {'hit rate':>9} {'exposed I/O s':>14} {'B/param':>8} "
-          f"{'peak RSS':>10}")
+          f"{'/proc B/param':>13} {'peak RSS':>10}")
     for name, s in (("in RAM", a), ("NVMe", b)):
+        proc = f"{s['proc_io_bytes_per_param']:13.1f}" if s["proc_io_bytes_per_param"] is not None else " " * 13
         print(f"{name:8} {s['step_s']:11.3f} {s['median_step_s']:9.3f} {s['hit_rate']:9.3f} "
-              f"{s['exposed_io_s']:14.3f} {s['bytes_per_param']:8.1f} {s['peak_rss_bytes'] / 2**20:8.0f} MiB")
+              f"{s['exposed_io_s']:14.3f} {s['bytes_per_param']:8.1f} {proc} {s['peak_rss_bytes'] / 2**20:8.0f} MiB")
     print(f"ratio NVMe / RAM: {result['ratio']:.2f} (target <= 1.25)")
     return 0

@@ -265,7 +265,13 @@ def _load(engine, m: Manifest, root: str, reader: ChunkReader, states) -> None:
             dest.copy_(tmp)
 
     partial = any(id(mp) not in plan for mp in engine.store.params if mp.trainable)
-    engine.optimizer.import_state(fill, refresh=False, keep_unfilled=partial)
+    changed = engine.optimizer.import_state(fill, refresh=False, keep_unfilled=partial)
+    if changed and m.moments_dtype == moments_name(moments):  # 8-bit into 8-bit, other blocks
+        warnings.warn(f"load_checkpoint: {changed:,} of this rank's Adam moment values changed when re-encoded into "
+                      f"8-bit blocks: its sub-groups differ from those {root} was saved from (another world size "
+                      "or sub_group_size), so values far below their new block's largest were rounded or became "
+                      "zero; load with the saved layout, or with moments_dtype fp32, to keep them exactly",
+                      stacklevel=3)
     for mp in engine.store.params:  # frozen ones: weights only, one shard at a time
         if mp.trainable or id(mp) not in plan:
             continue

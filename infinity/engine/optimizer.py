@@ -707,7 +707,7 @@ class ShardedAdam(torch.optim.Optimizer):
         StatePipeline(Mode.READ).over(self._states(),
                                       lambda i, views: self.groups[i].state.export(self.groups[i], views, use))
 
-    def import_state(self, fill, *, refresh: bool = True, keep_unfilled: bool = False) -> None:
+    def import_state(self, fill, *, refresh: bool = True, keep_unfilled: bool = False) -> int:
         """Replace every group's state: fill(group, param, exp_avg, exp_avg_sq) writes CPU views of it (fp32
         weights; moments in self.moments).
 
@@ -719,6 +719,9 @@ class ShardedAdam(torch.optim.Optimizer):
         re-gathered (a collective: load_checkpoint does it once every rank
         has loaded). An error part-way leaves a mix of old and new groups:
         load_checkpoint verifies the whole checkpoint before it calls this.
+
+        Returns how many moment values did not survive their encoding into 8-bit moments (0 otherwise): with
+        int8 moments from an int8 checkpoint, nonzero when the sub-groups (the blocks) differ from the saved run's.
         """
         self.settle()
         self._drop_staged()
@@ -728,15 +731,19 @@ class ShardedAdam(torch.optim.Optimizer):
             raise RuntimeError(f"import_state: the optimizer state of sub-groups {busy[:3]} is not at rest (an "
                                "earlier swap failed or is still running); nothing was changed")
 
+        changed = 0
+
         def load(i: int, views) -> None:
+            nonlocal changed
             g = self.groups[i]
-            g.state.import_(g, views, fill)
+            changed += g.state.import_(g, views, fill)
             self._publish(g, views)
 
         StatePipeline(Mode.UPDATE if keep_unfilled else Mode.FILL).over(self._states(), load)
         self.store.flush()
         if refresh:
             self.store.refresh_persistent()
+        return changed
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         pending = self._deferred.pos if self._deferred is not None else {}

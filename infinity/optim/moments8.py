@@ -3,30 +3,37 @@
 [Note: 8-bit moments]
 Each moment of a sub-group is stored as one byte per element plus one fp32 scale per BLOCK elements,
 blocks counted from the sub-group's first element. A block's scale is a power of two, 2^e, with e the
-exponent of the block's largest magnitude, and each element is an 8-bit float relative to it:
+exponent of the block's largest magnitude (at least EXP_FLOOR), and each element is an 8-bit float relative
+to it:
 
 - exp_avg (signed): a sign bit and a 7-bit magnitude, 4 exponent bits and 3 mantissa bits (E4M3);
 - exp_avg_sq is stored as its square root u = sqrt(v) (the update needs sqrt(v) anyway), unsigned, 4
-  exponent bits and 4 mantissa bits (E4M4). Then v = u * u, exact in fp32.
+  exponent bits and 4 mantissa bits (E4M4). Then v = u * u, exact in fp32 (EXP_FLOOR keeps it normal).
 
 A magnitude code k > 0 means the fp32 value whose bits are (k + base) << (23 - M), base = (e + 127 - 15) << M
-(M mantissa bits): the 16 binades below the block's largest, each in 2^M steps. Code 0 is zero, and so is
-anything under 2^(e - 15). Encoding and decoding are integer operations on the fp32 bits (no tables, no
-division), so the SIMD kernel and this file produce the same bytes.
+(M mantissa bits): the 16 binades below the block's largest, each in 2^M steps. Code 0 is zero, so the
+smallest nonzero magnitude is code 1, (1 + 2^-M) 2^(e - 15); anything below 2^(e - 15) is zero, and within
+that lowest binade rounding leans toward zero (it rounds as if code 0 were 2^(e - 15)). Encoding and decoding
+are integer operations on the fp32 bits (no tables, no division), so the SIMD kernel and this file produce
+the same bytes.
 
 The codes round stochastically: 16 random bits per element (moment_bits(seed, i), low half for exp_avg,
 high half for exp_avg_sq, as bf16 moments use them) are added below the kept bits before they are cut.
 Rounding to nearest stalls a moment whose change per step is below half a code step (6 % here, 0.1 % per step
 for beta2 = 0.999); stochastic rounding keeps each one right in expectation.
 
-Why these choices (bench/moments_rounding.py and the measurements in bench/RESULTS.md, "8-bit moments"):
-a power-of-two scale makes decoding exact and encoding a shift; 16 binades keep a small v from rounding to zero
-beside a large one in its block (a zero v under a nonzero m would make the update m / eps); storing sqrt(v)
-halves v's relative error for the same bits.
+Why these choices (bench/moments8_formats.py and bench/moments_rounding.py; figures in bench/RESULTS.md,
+"Compressed moments"): a power-of-two scale makes decoding exact and encoding a shift; 16 binades keep a
+small v from rounding to zero beside a large one in its block (a zero v under a nonzero m would make the
+update m / eps); storing sqrt(v) halves v's relative error for the same bits. Block size (64 to 2048) and
+E4M3 against E3M4 for m moved the final loss by less than the runs' noise; nearest rounding did not.
+The format's known weakness: an element 2^15 times larger than the rest of its block (an outlier gradient)
+flushes its neighbours' m and v to zero until it decays.
 
 The bytes of one moment of n elements: the n codes, zero-padded to a multiple of 4, then ceil(n / BLOCK) fp32
-scales (`nbytes`). A decoded value re-encodes to the same code, so a checkpoint that stores decoded fp32
-moments resumes bit for bit.
+scales (`nbytes`). A decoded value re-encodes to the same code in the same block, so a checkpoint that stores
+decoded fp32 moments resumes bit for bit on the same sub-groups; loaded into other sub-groups (another world
+size or sub_group_size), values are re-encoded against their new blocks, and the load says how many changed.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ M_BITS = {"exp_avg": 3, "exp_avg_sq": 4}
 E_BITS = {"exp_avg": 4, "exp_avg_sq": 4}
 """Exponent bits of each moment's code."""
 _MAX = {"exp_avg": 127, "exp_avg_sq": 255}
+EXP_FLOOR = {"exp_avg": 16, "exp_avg_sq": 79}
+"""The least block exponent (biased): 16 keeps every decoded value a normal float; for exp_avg_sq, 79 keeps
+u * u of its smallest nonzero code normal too, so v = u * u is exact and a decoded v encodes back to its code.
+A block whose largest sqrt(v) is under 2^-48 (v under 4e-29, against eps^2 = 1e-16) flushes it to zero."""
 _SHIFT = {"exp_avg": 0, "exp_avg_sq": 16}
 """Which half of moment_bits(seed, i) rounds each moment."""
 _CHUNK = 1 << 22
@@ -106,7 +117,7 @@ def encode_(blob: torch.Tensor, values: torch.Tensor, which: str, *, seed: int |
         x = x.sqrt()
     mag = x.view(torch.int32) & 0x7FFFFFFF
     peak = _pad_blocks(mag).amax(dim=1) if numel else mag[:0]
-    e = torch.clamp(peak >> 23, min=2 ** E_BITS[which])  # biased; at least 16 keeps base >= 1 << M
+    e = torch.clamp(peak >> 23, min=EXP_FLOOR[which])
     scales.view(torch.int32).copy_(e << 23)
     cut = 23 - m_bits
     for lo in range(0, numel, _CHUNK):

@@ -14,7 +14,7 @@ import torch
 
 from infinity.optim import grads_finite
 from infinity.swap.pipeline import Mode, StatePipeline
-from infinity.swap.state import NvmeState, state_nbytes
+from infinity.swap.state import NvmeState, decoded, state_nbytes
 from infinity.swap.swapper import TensorSwapper
 from infinity.swap.telemetry import StepStats, Trace
 
@@ -50,10 +50,12 @@ class OptimizerSwapper:
         StatePipeline(Mode.FILL).over([self.states[index]], first)
 
     def read_state(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Copies of (param, exp_avg, exp_avg_sq) of one group (for checkpoints and tests)."""
+        """Copies of (param, exp_avg, exp_avg_sq) of one group (for checkpoints and tests); 8-bit moments
+        decoded to their fp32 values."""
         out = []
-        StatePipeline(Mode.READ).over([self.states[index]], lambda _, v: out.extend(
-            t.clone() for t in (v.param, v.exp_avg, v.exp_avg_sq)))
+        state = self.states[index]
+        StatePipeline(Mode.READ).over([state], lambda _, v: out.extend(
+            t.clone() for t in (v.param, *decoded(v, state.numel))))
         return tuple(out)
 
     def step(self, grads: list[torch.Tensor], *, step: int, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,

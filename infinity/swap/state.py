@@ -84,13 +84,17 @@ def decoded(views: "AdamViews", numel: int) -> tuple[torch.Tensor, torch.Tensor]
     return (moments8.decode(views.exp_avg, numel, "exp_avg"), moments8.decode(views.exp_avg_sq, numel, "exp_avg_sq"))
 
 
-def encode_into(views: "AdamViews", numel: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+def encode_into(views: "AdamViews", numel: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> int:
     """Store decoded()'s (possibly changed) values back: nothing for fp32/bf16 views (they were the views),
-    8-bit codes rounded to nearest, so unchanged values keep their codes exactly."""
+    8-bit codes rounded to nearest, so values decoded from the same blocks keep their codes exactly. Returns how
+    many values the encoding changed (0 for fp32/bf16)."""
     if views.exp_avg.dtype != EIGHT_BIT:
-        return
-    moments8.encode_(views.exp_avg, exp_avg, "exp_avg")
-    moments8.encode_(views.exp_avg_sq, exp_avg_sq, "exp_avg_sq")
+        return 0
+    changed = 0
+    for blob, values, which in ((views.exp_avg, exp_avg, "exp_avg"), (views.exp_avg_sq, exp_avg_sq, "exp_avg_sq")):
+        moments8.encode_(blob, values, which)
+        changed += int((moments8.decode(blob, numel, which) != values.reshape(-1)).sum())
+    return changed
 
 
 @dataclass(slots=True)
@@ -190,13 +194,13 @@ class GroupState(abc.ABC):
         moments go as decoded fp32 copies, which the wait keeps alive."""
         return use(owner, views.param, *decoded(views, self.numel))
 
-    def import_(self, owner, views: AdamViews, fill) -> None:
+    def import_(self, owner, views: AdamViews, fill) -> int:
         """`fill(owner, p, m, v)` writes the new state into host views (see ShardedAdam.import_state); 8-bit
-        moments are filled as fp32 values and encoded after (rounded to nearest: an unchanged value keeps its
-        code)."""
+        moments are filled as fp32 values and encoded after (rounded to nearest: a value decoded from the same
+        block keeps its code). Returns how many moment values the encoding changed (encode_into)."""
         m, v = decoded(views, self.numel)
         fill(owner, views.param, m, v)
-        encode_into(views, self.numel, m, v)
+        return encode_into(views, self.numel, m, v)
 
 
 class HostState(GroupState):
@@ -262,7 +266,7 @@ class DeviceState(HostState):
             use(sub, *(t[lo:hi].cpu() for t in state))()
         return None
 
-    def import_(self, owner, views: AdamViews, fill) -> None:
+    def import_(self, owner, views: AdamViews, fill) -> int:
         if self._on_host():
             return super().import_(owner, views, fill)
         state = (views.param, *decoded(views, self.numel))
@@ -272,7 +276,7 @@ class DeviceState(HostState):
             fill(sub, *tmp)
             for dst, src in zip(state, tmp):
                 dst[lo:hi].copy_(src)
-        encode_into(views, self.numel, *state[1:])
+        return encode_into(views, self.numel, *state[1:])
 
 
 class NvmeState(GroupState):

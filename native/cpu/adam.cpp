@@ -95,7 +95,7 @@ void adam_block8_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size
     float m = decode8<3>(mc[i], em);
     m = s.lerp_low ? m + s.w1 * (g - m) : g - (g - m) * (1.0f - s.w1);
     const float u_old = decode8<4>(vc[i], ev);
-    float v = (u_old * u_old) * s.beta2;                          // v = u * u, exact (u has 5 bits)
+    float v = (u_old * u_old) * s.beta2;                          // v = u * u, exact (5 bits, a normal float)
     v = v + s.c2 * g * g;
     const float u = std::sqrt(v);
     p = p + s.neg_step * (m / (u * s.inv_bc2_sqrt + s.eps));
@@ -108,7 +108,7 @@ void adam_block8_scalar(const AdamArgs& a, const AdamScalars& s, size_t lo, size
     peak_m = std::max(peak_m, f32_bits(m) & 0x7fffffffu);
     peak_u = std::max(peak_u, f32_bits(u) & 0x7fffffffu);
   }
-  const uint32_t nm = block_exponent(peak_m), nv = block_exponent(peak_u);
+  const uint32_t nm = block_exponent(peak_m, kExpFloorM), nv = block_exponent(peak_u, kExpFloorV);
   a.exp_avg_scale[b] = bits_f32(nm << 23);
   a.exp_avg_sq_scale[b] = bits_f32(nv << 23);
   const bool nearest = a.moment_rounding != Rounding::kStochastic;

@@ -85,11 +85,14 @@ inline uint16_t f32_to_bf16_stochastic(uint32_t u, uint32_t r) {
 
 // The 8-bit moment codes, one element at a time: the reference every SIMD path matches bit for bit.
 // M mantissa bits (3 for exp_avg, 4 for exp_avg_sq), 4 exponent bits; `top` the largest magnitude code.
-// `e` is the block's biased exponent (its scale's bits >> 23), at least 16.
-inline uint32_t block_exponent(uint32_t peak_bits) {
+// `e` is the block's biased exponent (its scale's bits >> 23), at least kExpFloor[M == 4]: 16 for exp_avg
+// (every decoded value a normal float), 79 for exp_avg_sq's sqrt(v), so that u * u of its smallest nonzero
+// code is still a normal float and v = u * u is exact.
+inline uint32_t block_exponent(uint32_t peak_bits, uint32_t floor) {
   uint32_t e = peak_bits >> 23;
-  return e < 16 ? 16 : e;
+  return e < floor ? floor : e;
 }
+constexpr uint32_t kExpFloorM = 16, kExpFloorV = 79;
 
 template <int M>
 inline float decode8(uint32_t code, uint32_t e) {

@@ -135,10 +135,16 @@ static typename V::I encode8_v(typename V::F x, uint32_t e, typename V::I r, boo
 // Adam over 8-bit moments, a block at a time: adam_block8_scalar's two passes (decode and update, keeping the
 // new m and u = sqrt(v) in L1; then the scales and the codes), operation for operation. A last, partial
 // block goes to the scalar reference.
+static_assert(kMomentBlock % (2 * V::kWidth) == 0, "a block is whole pairs of vectors");
+
 template <Dtype G, int LOWP>
 static void adam_kernel8(const AdamArgs& a, const AdamScalars& s, size_t lo, size_t hi) {
   typedef typename V::F F;
   typedef typename V::I I;
+  // Locals, not a.*: the stores below could alias AdamArgs as far as the compiler knows.
+  float* const param = a.param;
+  const void* const grad = a.grad;
+  uint16_t* const out = static_cast<uint16_t*>(a.out_lowp);
   const uint8_t* const mc = static_cast<const uint8_t*>(a.exp_avg);
   const uint8_t* const vc = static_cast<const uint8_t*>(a.exp_avg_sq);
   uint8_t* const mo = static_cast<uint8_t*>(a.exp_avg);
@@ -162,10 +168,11 @@ static void adam_kernel8(const AdamArgs& a, const AdamScalars& s, size_t lo, siz
     memcpy(&ev, a.exp_avg_sq_scale + blk, 4);
     em >>= 23, ev >>= 23;
     I peak_m = V::iset1(0), peak_u = V::iset1(0);
-    for (size_t j = 0; j < kMomentBlock; j += V::kWidth) {
+    // Pass 1, two vectors per turn: their divisions and square roots overlap.
+    auto lane = [&](size_t j) {
       const size_t i = b0 + j;
-      F g = V::mul(V::template load_grad<G>(a.grad, i), inv);
-      F p = V::load(a.param + i);
+      F g = V::mul(V::template load_grad<G>(grad, i), inv);
+      F p = V::load(param + i);
       if (use_l2) g = V::add(g, V::mul(l2, p));
       p = V::mul(p, decay);
       F m = decode8_v<3>(V::load_u8(mc + i), em);
@@ -175,15 +182,19 @@ static void adam_kernel8(const AdamArgs& a, const AdamScalars& s, size_t lo, siz
       v = V::add(v, V::mul(V::mul(c2, g), g));
       const F u = V::sqrt(v);
       p = V::add(p, V::mul(neg_step, V::div(m, V::add(V::mul(u, inv_bc2), eps))));
-      V::store(a.param + i, p);
-      if (LOWP == 1) V::store_bf16(static_cast<uint16_t*>(a.out_lowp) + i, p);
-      if (LOWP == 2) V::store_f16(static_cast<uint16_t*>(a.out_lowp) + i, p);
+      V::store(param + i, p);
+      if (LOWP == 1) V::store_bf16(out + i, p);
+      if (LOWP == 2) V::store_f16(out + i, p);
       V::store(new_m + j, m);
       V::store(new_u + j, u);
       peak_m = V::imaxu(peak_m, V::iand(V::fbits(m), abs_mask));
       peak_u = V::imaxu(peak_u, V::iand(V::fbits(u), abs_mask));
+    };
+    for (size_t j = 0; j < kMomentBlock; j += 2 * V::kWidth) {
+      lane(j);
+      lane(j + V::kWidth);
     }
-    const uint32_t nm = block_exponent(V::hmaxu(peak_m)), nv = block_exponent(V::hmaxu(peak_u));
+    const uint32_t nm = block_exponent(V::hmaxu(peak_m), kExpFloorM), nv = block_exponent(V::hmaxu(peak_u), kExpFloorV);
     const uint32_t sm = nm << 23, sv = nv << 23;
     memcpy(a.exp_avg_scale + blk, &sm, 4);
     memcpy(a.exp_avg_sq_scale + blk, &sv, 4);

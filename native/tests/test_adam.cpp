@@ -199,7 +199,15 @@ int main() {
         CHECK(encode8<4>(decode8<4>(c, e), e, 0, true) == c);
         CHECK(encode8<3>(decode8<3>(c, e), e, 0xffffu << 4, false) == (c & 0x7f ? c : c & 0x80));
       }
-    CHECK(block_exponent(0) == 16 && block_exponent(0x3f800000u) == 127);
+    CHECK(block_exponent(0, kExpFloorM) == 16 && block_exponent(0x3f800000u, kExpFloorM) == 127);
+    CHECK(block_exponent(0, kExpFloorV) == 79 && block_exponent(0x3f800000u, kExpFloorV) == 127);
+    // exp_avg_sq is stored as u = sqrt(v): for every block exponent and code, v = u * u is exact and its sqrt
+    // encodes back to the code (what a checkpoint of decoded v relies on).
+    for (uint32_t e = kExpFloorV; e < 191; ++e)
+      for (uint32_t c = 0; c < 256; ++c) {
+        const float u = decode8<4>(c, e), v = u * u;
+        CHECK(std::sqrt(v) == u && encode8<4>(std::sqrt(v), e, 0, true) == c);
+      }
     // A NaN deep inside a large gradient: nothing may be written.
     State s = make_state(200000, 9, Dtype::kF32);
     s.g32[150001] = std::nanf("");

@@ -30,7 +30,8 @@ def test_every_tier_trains_the_same_and_close_to_fp32_moments(disk_dir, fp32_los
     over = {"zero_optimization.offload_optimizer.moments_rounding": rounding}
     runs = {tier: engine_losses(engine_config(tier, disk_dir, **INT8, **over), STEPS)
             for tier in ("none", "cpu", "nvme")}
-    assert runs["none"] == runs["cpu"] == runs["nvme"]  # one kernel, one random stream per (step, group)
+    # one kernel, one random stream per (step, group); on a CPU-only host "none" is the host tier's code too
+    assert runs["none"] == runs["cpu"] == runs["nvme"]
     assert runs["cpu"] != fp32_losses  # the moments really are 8-bit
     assert all(abs(a - b) < 1e-3 * abs(b) for a, b in zip(runs["cpu"], fp32_losses))
     assert runs["cpu"][-1] < runs["cpu"][0]
@@ -138,6 +139,96 @@ def test_fp32_checkpoint_into_int8_moments_is_encoded_and_said(disk_dir):
         for a, b in zip(got, fp32):
             kept = b.abs() >= b.abs().max() * 2.0 ** -12  # far above each block's flush-to-zero floor
             assert torch.allclose(a[kept], b[kept], rtol=2.0 ** -4, atol=0)
+    finally:
+        e.close()
+
+
+def test_int8_and_bf16_checkpoints_convert_both_ways_and_say_so(disk_dir):
+    saved = {}
+    for name, over in (("int8", INT8), ("bf16", {"zero_optimization.offload_optimizer.moments_dtype": "bf16"})):
+        e = gpt_engine(engine_config("cpu", disk_dir, **over))
+        try:
+            for s in range(2):
+                train_step(e, s)
+            e.save_checkpoint(str(disk_dir / name))
+            saved[name] = _moments(e)
+        finally:
+            e.close()
+    e = gpt_engine(engine_config("cpu", disk_dir, **{"zero_optimization.offload_optimizer.moments_dtype": "bf16"}))
+    try:
+        with pytest.warns(UserWarning, match=r"holds Adam moments in int8, this engine keeps them in bfloat16 .*"
+                                             r"\(rounded to nearest even\)"):
+            e.load_checkpoint(str(disk_dir / "int8"))
+        assert all(torch.equal(a, b.bfloat16().float()) for a, b in zip(_moments(e), saved["int8"]))
+    finally:
+        e.close()
+    e = gpt_engine(engine_config("cpu", disk_dir, **INT8))
+    try:
+        with pytest.warns(UserWarning, match=r"holds Adam moments in bfloat16, this engine keeps them in int8 .*"
+                                             r"\(encoded into 8-bit blocks, rounded to nearest\)"):
+            e.load_checkpoint(str(disk_dir / "bf16"))
+        for a, b in zip(_moments(e), saved["bf16"]):
+            kept = b.abs() >= b.abs().max() * 2.0 ** -12
+            assert torch.allclose(a[kept], b[kept], rtol=2.0 ** -4, atol=0)
+    finally:
+        e.close()
+
+
+def test_other_sub_groups_re_encode_and_the_load_says_how_many_values_changed(disk_dir):
+    """8-bit blocks are counted from each sub-group's start. A value keeps its code in any block whose largest
+    is within 2^15 of it, so a load into other sub-groups usually changes nothing; where a block comes to hold a
+    value 2^15 times smaller than its largest, the value changes, and the load counts and says so."""
+    ck = str(disk_dir / "ck")
+    e = gpt_engine(engine_config("cpu", disk_dir, **INT8, **{"zero_optimization.sub_group_size": 1}))
+    try:
+        train_step(e, 0)
+        assert all(len(g.params) == 1 for g in e.optimizer.groups)  # one parameter per sub-group
+
+        def fill(g, p, m, v):  # every other parameter's moments 2^20 times smaller: exact in their own blocks
+            big = g.index % 2 == 0
+            m.fill_(1.0 if big else 2.0 ** -20)
+            v.fill_(1.0 if big else 2.0 ** -40)
+
+        assert e.optimizer.import_state(fill, keep_unfilled=True) == 0
+        e.save_checkpoint(ck)
+    finally:
+        e.close()
+    e = gpt_engine(engine_config("cpu", disk_dir, **INT8))  # sub-groups of 40,000: blocks span parameters
+    try:
+        assert any(len(g.params) > 1 for g in e.optimizer.groups)
+        with pytest.warns(UserWarning, match=r"[\d,]+ of this rank's Adam moment values changed when re-encoded "
+                                             r"into 8-bit blocks: its sub-groups differ"):
+            e.load_checkpoint(ck)
+    finally:
+        e.close()
+    e = gpt_engine(engine_config("cpu", disk_dir, **INT8, **{"zero_optimization.sub_group_size": 1}))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same sub-groups: nothing changes, nothing is said
+            e.load_checkpoint(ck)
+    finally:
+        e.close()
+
+
+def test_the_accelerator_path_checkpoints_through_decoded_slices(disk_dir, monkeypatch):
+    """DeviceState off the host (as on an accelerator) exports and imports one parameter's slice at a time, from
+    the group's decoded moments: a save and load there resumes bit for bit."""
+    monkeypatch.setattr(DeviceState, "_on_host", lambda self: False)
+    ck = str(disk_dir / "ck")
+    e = gpt_engine(engine_config("none", disk_dir, **INT8))
+    try:
+        for s in range(2):
+            train_step(e, s)
+        e.save_checkpoint(ck)
+        saved = _moments(e)
+        after = [train_step(e, s) for s in range(2, 4)]
+    finally:
+        e.close()
+    e = gpt_engine(engine_config("none", disk_dir, **INT8))
+    try:
+        e.load_checkpoint(ck)
+        assert all(torch.equal(a, b) for a, b in zip(_moments(e), saved))
+        assert [train_step(e, s) for s in range(2, 4)] == after
     finally:
         e.close()
 

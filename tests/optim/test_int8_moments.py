@@ -60,6 +60,19 @@ def test_decoded_values_encode_to_the_same_codes(which):
         assert torch.equal(_encoded(y, which, seed=seed), b)
 
 
+@pytest.mark.parametrize("scale", [1e-36, 1e-20, 1e-9, 1.0, 1e9, 1e20, 1e36])
+def test_a_decoded_v_encodes_back_at_every_magnitude(scale):
+    """exp_avg_sq is stored as sqrt(v): its block exponent's floor keeps u * u a normal float, so a decoded v's
+    square root is the stored u again, however small or large the block (down to a flushed zero)."""
+    gen = torch.Generator().manual_seed(2)
+    v = torch.rand(3 * BLOCK, generator=gen) * torch.logspace(-20, 0, 3 * BLOCK) * scale
+    b = _encoded(v, "exp_avg_sq", seed=5)
+    d = moments8.decode(b, v.numel(), "exp_avg_sq")
+    assert torch.isfinite(d).all()
+    assert torch.equal(_encoded(d, "exp_avg_sq"), b)
+    assert torch.equal(d.sqrt() * d.sqrt(), d)
+
+
 def test_relative_error_and_range_of_each_code():
     """exp_avg: 3 mantissa bits, so nearest is within 2^-4 of the value; exp_avg_sq: sqrt(v) with 4 bits, so v
     within about 2 * 2^-5. Both keep 16 binades under the block's largest; below that a value is zero."""

@@ -43,7 +43,7 @@ class DeepSpeedCPUAdam(_ClientAdam):
                  fp32_optimizer_states: bool = True):
         if not fp32_optimizer_states:
             raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False): set the moments' dtype in the config "
-                             "instead (zero_optimization.offload_optimizer.moments_dtype: \"bfloat16\")")
+                             "instead (zero_optimization.offload_optimizer.moments_dtype: \"bf16\" or \"int8\")")
         super().__init__(model_params, lr, betas, eps, weight_decay, amsgrad, bias_correction, adamw_mode)
 
 

@@ -217,8 +217,8 @@ def plan(shape: ModelShape, budget: int, rates: Rates, *, precision: str = "bf16
     # 4 B/param of them, training e B/param.
     candidates = [
         # master + m + v beside the parameters
-        Placement(param_tier="none", optimizer_tier="cpu", state_bytes=shard * (sb + e),
-                  setup_state_bytes=shard * (sb + e), pools=None),
+        Placement(param_tier="none", optimizer_tier="cpu", state_bytes=math.ceil(shard * (sb + e)),
+                  setup_state_bytes=math.ceil(shard * (sb + e)), pools=None),
         Placement(param_tier="none", optimizer_tier="nvme", state_bytes=shard * e, setup_state_bytes=shard * 4,
                   pools="opt"),
         Placement(param_tier="nvme", optimizer_tier="nvme", state_bytes=0, setup_state_bytes=0, pools="both"),
@@ -364,8 +364,8 @@ def predict(shape: ModelShape, rates: Rates, cfg, base: dict, *, world: int = 1,
     pools = "both" if ptier == "nvme" and otier == "nvme" else "opt" if otier == "nvme" else None
     state = {("none", "cpu"): (shard * (sb + e), shard * (sb + e)), ("none", "nvme"): (shard * e, shard * 4),
              ("nvme", "nvme"): (0, 0), ("nvme", "cpu"): (shard * sb, shard * sb)}[ptier, otier]
-    c = Placement(param_tier=ptier, optimizer_tier=otier, state_bytes=state[0], setup_state_bytes=state[1],
-                  pools=pools)
+    c = Placement(param_tier=ptier, optimizer_tier=otier, state_bytes=math.ceil(state[0]),
+                  setup_state_bytes=math.ceil(state[1]), pools=pools)
     full_grads = cfg.gradient_clipping > 0 or accum > 1 or precision == "fp16"
     if otier == "nvme":
         # The engine's fit (sizing.fit_optimizer): the largest shard, within [FLOOR, TARGET] where a large shard
@@ -376,7 +376,7 @@ def predict(shape: ModelShape, rates: Rates, cfg, base: dict, *, world: int = 1,
         if not written(cfg, BUFFERS):
             count = max(1, min(count, math.ceil(shard / group)))
         tail = e if pools == "both" and e != 4 else 0
-        opt_bytes = count * group * (sb + tail)
+        opt_bytes = math.ceil(count * group * (sb + tail))
     else:
         group, count, opt_bytes = min(shard, zero.sub_group_size), 1, 0
     pbufs, psize, bucket, cache = 1, largest, 0, 0
@@ -464,8 +464,9 @@ def _size_pools(pools: str | None, left: int, shape: ModelShape, shard: int, lar
     prefetch = max(psize, (pbufs - 1) * psize) if pools == "both" else 0
     inflight = _inflight_grads(full_grads, group, shard)
     return PoolSizing(param_buffer_count=pbufs or 1, param_buffer_size=psize, optimizer_buffer_count=obufs,
-                      sub_group_size=group, prefetch_bucket=int(prefetch), pool_bytes=pbytes + obufs * sb * group,
-                      setup_pool_bytes=pbufs * 4 * psize + obufs * sb * group, inflight_grad_bytes=inflight)
+                      sub_group_size=group, prefetch_bucket=int(prefetch),
+                      pool_bytes=pbytes + math.ceil(obufs * sb * group),
+                      setup_pool_bytes=pbufs * 4 * psize + math.ceil(obufs * sb * group), inflight_grad_bytes=inflight)
 
 
 def _inflight_grads(full_grads: bool, group: int, shard: int) -> int:
