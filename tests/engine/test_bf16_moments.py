@@ -1,5 +1,5 @@
-"""offload_optimizer.moments_dtype "bf16" through the engine: every tier trains alike, NVMe moves 8 B per
-parameter per direction, checkpoints record the dtype and convert across it with a message."""
+"""offload_optimizer.moments_dtype "bf16" through the engine: every tier trains alike (and so with "int8"),
+NVMe moves 8 B per parameter per direction, checkpoints record the dtype and convert across it with a message."""
 
 import json
 import os
@@ -25,13 +25,15 @@ def fp32_losses():
     return engine_losses(engine_config("none"), STEPS)
 
 
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_every_tier_trains_the_same_and_close_to_fp32_moments(disk_dir, fp32_losses, rounding):
-    over = {"zero_optimization.offload_optimizer.moments_rounding": rounding}
-    runs = {tier: engine_losses(engine_config(tier, disk_dir, **BF16, **over), STEPS)
-            for tier in ("none", "cpu", "nvme")}
-    assert runs["none"] == runs["cpu"] == runs["nvme"]  # one kernel, one random stream per (step, group)
-    assert runs["cpu"] != fp32_losses  # the moments really are stored in bf16
+def test_every_tier_trains_the_same_and_close_to_fp32_moments(disk_dir, fp32_losses, moments, rounding):
+    over = {"zero_optimization.offload_optimizer.moments_dtype": moments,
+            "zero_optimization.offload_optimizer.moments_rounding": rounding}
+    runs = {tier: engine_losses(engine_config(tier, disk_dir, **over), STEPS) for tier in ("none", "cpu", "nvme")}
+    # one kernel, one random stream per (step, group); on a CPU-only host "none" is the host tier's code too
+    assert runs["none"] == runs["cpu"] == runs["nvme"]
+    assert runs["cpu"] != fp32_losses  # the moments really are stored compressed
     assert all(abs(a - b) < 1e-3 * abs(b) for a, b in zip(runs["cpu"], fp32_losses))
     assert runs["cpu"][-1] < runs["cpu"][0]
 
@@ -55,12 +57,14 @@ def test_nvme_moves_8_bytes_per_parameter_each_way(disk_dir):
     assert r.optimizer_read_bytes == r.optimizer_write_bytes == 8 * trained  # 12 with fp32 moments
 
 
-def test_the_accelerator_path_rounds_with_the_kernels_bits(disk_dir, monkeypatch):
-    """DeviceState on an accelerator steps in torch ops and rounds with the ported hash; run here on the host,
-    it tracks the CPU kernel within fp32 noise."""
-    cpu = engine_losses(engine_config("cpu", disk_dir, **BF16), STEPS)
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_the_accelerator_path_rounds_with_the_kernels_bits(disk_dir, monkeypatch, moments):
+    """DeviceState on an accelerator steps in torch ops and rounds with the ported hash (8-bit moments: through
+    moments8's codec); run here on the host, it tracks the CPU kernel within fp32 noise."""
+    over = {"zero_optimization.offload_optimizer.moments_dtype": moments}
+    cpu = engine_losses(engine_config("cpu", disk_dir, **over), STEPS)
     monkeypatch.setattr(DeviceState, "_on_host", lambda self: False)
-    dev = engine_losses(engine_config("none", disk_dir, **BF16), STEPS)
+    dev = engine_losses(engine_config("none", disk_dir, **over), STEPS)
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(dev, cpu))
 
 

@@ -6,26 +6,7 @@ import math
 import pytest
 import torch
 
-from infinity._native_loader import native
 from infinity.optim import CPUAdam, cpu_adam_step
-
-LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
-
-
-def _supported(level):
-    if native is None:
-        return False
-    return LEVELS.index(level) <= LEVELS.index(native.cpu_simd_level())
-
-
-@pytest.fixture(params=LEVELS)
-def simd(request, monkeypatch):
-    if not _supported(request.param):
-        pytest.skip(f"this CPU has no {request.param} (it has "
-                    f"{native.cpu_simd_level() if native else 'no native extension'})")
-    monkeypatch.setenv("INFINITY_SIMD", request.param)
-    assert native.simd_level() == request.param
-    return request.param
 
 
 def _state(n, seed, offset=0, grad_dtype=torch.float32):

@@ -10,18 +10,9 @@ from infinity._native_loader import native
 from infinity.optim import cpu_adam_step, moments8
 from infinity.optim.rounding import moment_bits
 
-LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 BLOCK = moments8.BLOCK
 
 pytestmark = pytest.mark.skipif(native is None, reason="8-bit moments need the native extension")
-
-
-@pytest.fixture(params=LEVELS)
-def simd(request, monkeypatch):
-    if LEVELS.index(request.param) > LEVELS.index(native.cpu_simd_level()):
-        pytest.skip(f"this CPU has no {request.param} (it has {native.cpu_simd_level()})")
-    monkeypatch.setenv("INFINITY_SIMD", request.param)
-    return request.param
 
 
 def _blob(n):
