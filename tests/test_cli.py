@@ -87,11 +87,12 @@ def test_bench_adam_smoke_json():
     for need in [(f"infinity/{level}", None), (f"infinity/{level}", "bf16"), ("torch/fused", None),
                  ("torch/foreach", "bf16"), ("torch/fused/amp", "bf16"), (f"infinity/{level}/amp", "bf16"),
                  ("roofline", None), ("roofline", "bf16"), (f"infinity/{level}/bf16-moments", None),
-                 (f"infinity/{level}/bf16-moments-sr", "bf16")]:
+                 (f"infinity/{level}/bf16-moments-sr", "bf16"), (f"infinity/{level}/int8-moments", None),
+                 (f"infinity/{level}/int8-moments-sr", "bf16")]:
         assert need in impls, need
     for r in rows:
         assert r["numel"] == 100_000 and r["params_per_s"] > 0
-        if "bf16-moments" in r["impl"]:  # no roofline applies (it moves fp32 moments); bit-checked instead
+        if "-moments" in r["impl"]:  # bf16/int8: no roofline applies (it moves fp32 moments); bit-checked instead
             assert r["roofline_frac"] is None and r["bitexact_vs_scalar"] is True
         elif r["impl"].startswith("infinity/"):
             assert 0 < r["roofline_frac"]
