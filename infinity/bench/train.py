@@ -51,7 +51,8 @@ def argparse_hidden():
     return argparse.SUPPRESS
 
 
-def config(args, variant: str, directory: str) -> dict:
+def config(args, variant: str, directory: str, *, moments: str = "fp32") -> dict:
+    """The model and config of one variant; `moments`: offload_optimizer.moments_dtype of both."""
     from infinity.models import GPTConfig
 
     model = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, dim=args.dim, heads=args.heads)
@@ -70,8 +71,7 @@ def config(args, variant: str, directory: str) -> dict:
         zero["offload_param"] = {"device": "nvme", "nvme_path": directory, "buffer_count": 6,
                                  "buffer_size": largest}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": directory, "buffer_count": 4}
-    # Both variants keep their moments in this dtype (callers outside the CLI, tests, may leave it out).
-    cfg["zero_optimization"]["offload_optimizer"]["moments_dtype"] = getattr(args, "moments", "fp32")
+    cfg["zero_optimization"]["offload_optimizer"]["moments_dtype"] = moments
     return model, cfg
 
 
@@ -95,7 +95,7 @@ def child(args) -> int:
     from infinity.testing.parity import batch
 
     directory = args.dir
-    model_cfg, cfg = config(args, args.child, directory)
+    model_cfg, cfg = config(args, args.child, directory, moments=args.moments)
     cfg["infinity"] = {"mmap_threshold": args.mmap_threshold}
     baseline = peak_rss_bytes()  # the process's peak so far: interpreter, torch, the engine's imports
     torch.manual_seed(0)

@@ -55,18 +55,23 @@ def _moments(e) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_checkpoints_record_the_format_and_resume_bit_for_bit(disk_dir, tier):
-    ck = str(disk_dir / "ck")
-    e = gpt_engine(engine_config(tier, disk_dir, **INT8))
+def _save_after_two_steps(cfg: dict, ck: str) -> tuple[list[torch.Tensor], list[float]]:
+    """Train 2 steps, save to `ck`; the moments saved, and the losses of steps 2 and 3 that follow."""
+    e = gpt_engine(cfg)
     try:
         for s in range(2):
             train_step(e, s)
         e.save_checkpoint(ck)
         saved = _moments(e)
-        after = [train_step(e, s) for s in range(2, 4)]
+        return saved, [train_step(e, s) for s in range(2, 4)]
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_checkpoints_record_the_format_and_resume_bit_for_bit(disk_dir, tier):
+    ck = str(disk_dir / "ck")
+    saved, after = _save_after_two_steps(engine_config(tier, disk_dir, **INT8), ck)
     meta = info(ck, verify=True)
     assert meta["moments_dtype"] == "int8"
     arr = json.load(open(os.path.join(meta["path"], "exp_avg", "blocks.0.fc.weight", "zarr.json")))
@@ -189,15 +194,7 @@ def test_the_accelerator_path_checkpoints_through_decoded_slices(disk_dir, monke
     the group's decoded moments: a save and load there resumes bit for bit."""
     monkeypatch.setattr(DeviceState, "_on_host", lambda self: False)
     ck = str(disk_dir / "ck")
-    e = gpt_engine(engine_config("none", disk_dir, **INT8))
-    try:
-        for s in range(2):
-            train_step(e, s)
-        e.save_checkpoint(ck)
-        saved = _moments(e)
-        after = [train_step(e, s) for s in range(2, 4)]
-    finally:
-        e.close()
+    saved, after = _save_after_two_steps(engine_config("none", disk_dir, **INT8), ck)
     e = gpt_engine(engine_config("none", disk_dir, **INT8))
     try:
         e.load_checkpoint(ck)
