@@ -238,8 +238,14 @@ class InfinityConfig:
     """Remove this process's swap files when it exits without engine.close(): an exception, sys.exit or SIGTERM
     (see [Note: swap files die with the process]). false leaves them for inspection or for `leftovers: reuse`."""
     step_during_backward: bool = spec(True)
-    """Step each optimizer sub-group as soon as its gradients are final, overlapping backward (off with
-    gradient_clipping or fp16, which need every gradient first)."""
+    """Step each optimizer sub-group as soon as its gradients are final, overlapping backward. With
+    gradient_clipping or fp16, which need every gradient first, only as a bet (speculative_step)."""
+    speculative_step: bool = spec(True)
+    """With gradient_clipping or fp16, parameters and optimizer on NVMe: when the last step did not clip or
+    overflow, step during backward as a bet that this one will not either, writing a second slot of each
+    optimizer file; the bet is committed when it holds, else rolled back and the step taken after backward
+    (bit-identical either way; see [Note: the speculative step] in engine/optimizer.py). Needs disk room for a
+    second copy of the optimizer's files; without it, off (said once)."""
     step_during_forward: bool = spec(True)
     """With the step after backward (clipping, fp16) under ZeRO-3 and the optimizer on NVMe: step each sub-group
     that holds no persistent parameter when the next forward first needs it, so the optimizer's I/O overlaps

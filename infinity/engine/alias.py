@@ -66,9 +66,13 @@ class _SliceFuture:
             wait_all(f for futs, *_ in self._reads for f in futs)  # every read lands before the buffer goes back
             for futs, lengths, expected, path in self._reads:
                 if expected == PENDING:
-                    raise RuntimeError(f"{self._sid}: the last write of its optimizer sub-group ({path}) never "
-                                       "completed (an earlier error), so the file holds older weights than the "
-                                       "optimizer; restart from a checkpoint")
+                    raise RuntimeError(f"{self._sid}: the last write of its optimizer sub-group ({path}) has not "
+                                       "completed, so the file holds older weights than the optimizer. Either an "
+                                       "earlier error stopped it (restart from a checkpoint), or backward read the "
+                                       "parameter again after its sub-group had stepped during backward (reentrant "
+                                       "activation checkpointing of a parameter also used outside the checkpoint: "
+                                       "use non-reentrant checkpointing, or set gradient_clipping to step after "
+                                       "backward)")
                 if expected is not None:
                     actual = combined_crc(futs, lengths)  # a piece over two chunks of a striped file: both
                     if actual != expected:
@@ -106,10 +110,11 @@ class OptimizerSliceReader:
         self.checksums = store.swap.swapper.checksums
         self.dtype = dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        # sid -> its pieces, in order: (the group's swapper, its partition id, byte offset in the partition's
-        # content, elements, at, key); the files and offsets come from swapper.extents when read
+        # sid -> its pieces, in order: (the group's NvmeState, byte offset in its partition's content, elements,
+        # at, key); the files and offsets come from its swapper's extents of its live slot when read
         self.where: dict[str, list] = {}
-        self.crc: dict[str, int] = {}  # by piece key
+        self.crc: dict[str, int] = {}  # by piece key: of the bytes in the live slots' files
+        self._next_crc: dict[str, int] = {}  # by piece key: of a speculative write's (commit_pending)
         self._held: dict = {}
         self._staged: dict = {}  # sid -> a pool buffer holding the shard's newest values (stage())
         self._partial: dict = {}  # sid -> [its buffer, elements in so far]: a split shard being staged
@@ -120,12 +125,12 @@ class OptimizerSliceReader:
         for a whole shard; see [Note: a large shard is split over sub-groups of its own] in optimizer.py)."""
         return sid if at == 0 else f"{sid}@{at}"
 
-    def place(self, sid: str, swapper, part_id: str, offset: int, numel: int, *, at: int = 0) -> None:
+    def place(self, sid: str, state, offset: int, numel: int, *, at: int = 0) -> None:
         """Shard `sid`'s elements [at, at + numel) are values of self.dtype at byte `offset` of the content of
-        sub-group partition `part_id` of `swapper` (the optimizer's; one file, or chunks on several disks:
-        [Note: several NVMe paths] in swap/swapper.py). Pieces are placed in order; at 0 starts the shard
-        afresh."""
-        piece = (swapper, part_id, offset, numel, at, self.key(sid, at))
+        sub-group state `state`'s live partition (an NvmeState of the optimizer's swapper; one file, or chunks on
+        several disks: [Note: several NVMe paths] in swap/swapper.py). Pieces are placed in order; at 0 starts
+        the shard afresh."""
+        piece = (state, offset, numel, at, self.key(sid, at))
         if at == 0:
             self.where[sid] = [piece]
         else:
@@ -133,21 +138,25 @@ class OptimizerSliceReader:
 
     def files_of(self, sid: str) -> list[tuple[str, int, int]]:
         """(path, file offset, bytes) of each stretch of file that holds shard `sid`, in order."""
-        return [(path, off, n) for swapper, part_id, offset, numel, _, _ in self.where[sid]
-                for _, path, off, _, n in swapper.extents(part_id, offset, offset + numel * self.itemsize)]
+        return [(path, off, n) for state, offset, numel, _, _ in self.where[sid]
+                for _, path, off, _, n in state.swapper.extents(state.id, offset, offset + numel * self.itemsize)]
 
     def record(self, sid: str, values: torch.Tensor) -> None:
         """The optimizer just produced this shard's new values (they are about to be written)."""
         if self.checksums:
             self.crc[sid] = crc32c(values, values.numel() * self.itemsize)
 
-    def record_on_write(self, swapper, state_id: str, shards: list[tuple[str, int, int]]) -> None:
+    def record_on_write(self, swapper, state_id: str, shards: list[tuple[str, int, int]], *,
+                        pending: bool = False) -> None:
         """The optimizer just produced these shards' values ((sid, byte offset in the buffer, numel) of
-        sub-group partition `state_id`); take their checksums from the bytes of that partition's next write."""
+        sub-group partition `state_id`); take their checksums from the bytes of that partition's next write.
+        `pending`: that write goes to a slot not yet live ([Note: a speculative step writes a second slot] in
+        swap/state.py), so the checksums wait for commit_pending(), and reads keep checking the live slot's."""
         if not self.checksums:
             return
+        crcs = self._next_crc if pending else self.crc
         for sid, _, _ in shards:
-            self.crc[sid] = PENDING
+            crcs[sid] = PENDING
         size = self.itemsize
 
         def take(buf):
@@ -156,7 +165,7 @@ class OptimizerSliceReader:
             end, whole = 0, 0
             for sid, off, numel in shards:
                 crc = crc32c(buf.tensor[off:off + numel * size], numel * size)
-                self.crc[sid] = crc
+                crcs[sid] = crc
                 if end is not None and off == end:
                     whole, end = crc32c_combine(whole, crc, numel * size), end + numel * size
                 else:
@@ -164,6 +173,15 @@ class OptimizerSliceReader:
             return None if not end else (end, whole)
 
         swapper.on_next_write(state_id, take)
+
+    def commit_pending(self) -> None:
+        """The speculative writes' slots are live now: their checksums are the ones reads check."""
+        self.crc.update(self._next_crc)
+        self._next_crc = {}
+
+    def drop_pending(self) -> None:
+        """The speculative writes were rolled back: reads go on checking the live slots' checksums."""
+        self._next_crc = {}
 
     def stage(self, sid: str, values: torch.Tensor) -> bool:
         """Keep a copy of shard `sid`'s new values (the optimizer just produced them and their write is in
@@ -233,7 +251,7 @@ class OptimizerSliceReader:
         if partial is not None:  # not every piece was staged (a walk settled without staging): the file has them
             self.pool.release(partial[0])
         pieces = self.where[sid]
-        need = (pieces[-1][4] + pieces[-1][3]) * self.itemsize
+        need = (pieces[-1][3] + pieces[-1][2]) * self.itemsize
         buf = (self.pool.try_acquire(f"read {sid}", reserve=reserve, nbytes=need) if prefetch
                else self.pool.acquire(f"read {sid}", nbytes=need))
         if buf is None:
@@ -241,10 +259,12 @@ class OptimizerSliceReader:
         self._held[sid] = buf
         reads = []
         try:
-            for swapper, part_id, offset, numel, at, key in pieces:
+            for state, offset, numel, at, key in pieces:
                 expected = self.crc.get(key)
+                swapper = state.swapper
                 extents = [(aio, path, file_offset, at * self.itemsize + start - offset, n) for aio, path,
-                           file_offset, start, n in swapper.extents(part_id, offset, offset + numel * self.itemsize)]
+                           file_offset, start, n in swapper.extents(state.id, offset,
+                                                                    offset + numel * self.itemsize)]
                 # With one disk, through the store's own handle: a queue beside the optimizer's.
                 futs, lengths = read_extents(extents, buf.tensor, checksum=expected not in (None, PENDING),
                                              aio=None if len(swapper.aios) > 1 else self.aio)
@@ -253,7 +273,7 @@ class OptimizerSliceReader:
             wait_all_quietly(f for futs, *_ in reads for f in futs)
             self.release(sid)
             raise
-        total = pieces[-1][4] + pieces[-1][3]
+        total = pieces[-1][3] + pieces[-1][2]
         return _SliceFuture(self, sid, reads, buf.view(self.dtype, total))
 
     def release(self, sid: str, **_) -> None:

@@ -23,7 +23,7 @@ from infinity.engine.deepspeed_surface import DeepSpeedSurface
 from infinity.engine.hooks import ParamHooks
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.module_surface import ModuleSurface
-from infinity.engine.optimizer import ShardedAdam
+from infinity.engine.optimizer import ShardedAdam, clip_coef
 from infinity.engine.params import ParamStore
 from infinity.engine.plan import OffloadPlan, ShardSource
 from infinity.engine.report import StepReport
@@ -59,6 +59,11 @@ class Engine(ModuleSurface, DeepSpeedSurface):
         self._t_last = time.perf_counter()
         self._fetch_stats = []
         self._overlapped = None  # the result of a step taken during backward, for step() to report
+        self._last_step_stood = False  # the last step neither clipped nor overflowed: the next may bet on it
+        if (cfg.infinity.step_during_backward and cfg.infinity.speculative_step and not optimizer.can_speculate
+                and (cfg.gradient_clipping > 0 or cfg.fp16.enabled) and self.comm.rank == 0):
+            log.info("infinity: the step does not overlap backward as a bet (infinity.speculative_step): %s",
+                     _why_no_bet(plan))
         self.trace = optimizer.trace
         """Spans of forward, backward, step and the optimizer's I/O and Adam (infinity.trace_path), written at close."""
         self._forced_boundary = None  # set_gradient_accumulation_boundary
@@ -91,7 +96,7 @@ class Engine(ModuleSurface, DeepSpeedSurface):
     def __call__(self, *args, **kwargs):
         self._check_open()
         # Whether the backward after this forward steps during it: its reads may start as forward ends.
-        self.optimizer.expect_step(torch.is_grad_enabled() and self._can_step_during_backward()
+        self.optimizer.expect_step(torch.is_grad_enabled() and self._overlap() is not None
                                    and self._next_is_boundary())
         if self.store.scheduler is not None:
             self.store.scheduler.begin_step()
@@ -121,9 +126,9 @@ class Engine(ModuleSurface, DeepSpeedSurface):
                              "owner rank as backward produces it, so the reduction cannot be skipped; drop it")
         self.optimizer.settle()  # the last step's groups not yet needed by a forward
         scaled = loss.float() * (self.scaler.scale / (self.gas if scale_wrt_gas else 1))
-        overlap = self._can_step_during_backward() and self._next_is_boundary() and not retain_graph
+        overlap = self._overlap() if self._next_is_boundary() and not retain_graph else None
         if overlap:
-            self.optimizer.begin_overlapped_step()
+            self.optimizer.begin_overlapped_step(speculative=overlap == "bet", loss_scale=self.scaler.scale)
         else:
             self.optimizer.expect_step(False)
             if self._next_is_boundary():
@@ -135,7 +140,8 @@ class Engine(ModuleSurface, DeepSpeedSurface):
                 scaled.backward(retain_graph=retain_graph)
             self.optimizer.flush_grads()
             if overlap:
-                self._overlapped = self.optimizer.end_overlapped_step()
+                self._overlapped = self.optimizer.end_overlapped_step(loss_scale=self.scaler.scale,
+                                                                      max_norm=self.config.gradient_clipping)
         except BaseException as exc:
             try:
                 if not overlap:
@@ -151,10 +157,18 @@ class Engine(ModuleSurface, DeepSpeedSurface):
             self._fetch_stats.append(self.store.scheduler.drain())
         return loss
 
-    def _can_step_during_backward(self) -> bool:
-        """See [Note: stepping during backward] in optimizer.py."""
-        return (self.config.infinity.step_during_backward and self.config.gradient_clipping == 0
-                and not self.config.fp16.enabled)
+    def _overlap(self) -> str | None:
+        """How the step at the end of the coming backward overlaps it: "exact" (nothing needs every gradient
+        first: [Note: stepping during backward] in optimizer.py), "bet" (clipping or fp16, and the last step
+        neither clipped nor overflowed: [Note: the speculative step]), or None (the step runs after backward)."""
+        cfg = self.config
+        if not cfg.infinity.step_during_backward:
+            return None
+        if cfg.gradient_clipping == 0 and not cfg.fp16.enabled:
+            return "exact"
+        if cfg.infinity.speculative_step and self.optimizer.can_speculate and self._last_step_stood:
+            return "bet"
+        return None
 
     def _can_defer_step(self) -> bool:
         """See [Note: the step finishes in the next forward] in deferred.py: ZeRO-3 (every parameter a shard read
@@ -201,6 +215,7 @@ class Engine(ModuleSurface, DeepSpeedSurface):
                 overflow, norm, stats = self.optimizer.step(loss_scale=self.scaler.scale,
                                                             max_norm=self.config.gradient_clipping,
                                                             defer=self._can_defer_step())
+        self._last_step_stood = not overflow and clip_coef(norm, self.config.gradient_clipping) == 1.0
         self.scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
@@ -211,6 +226,9 @@ class Engine(ModuleSurface, DeepSpeedSurface):
         self.optimizer.zero_grad()
         t1 = time.perf_counter()
         fs = self._fetch_stats
+        speculation, bet = self.optimizer.take_speculation()
+        # A rolled-back bet's I/O: moved, and wasted, in this step.
+        bet_read, bet_written = (bet.bytes_read, bet.bytes_written) if bet is not None else (0, 0)
         self.reports.append(StepReport(
             step=self.global_steps + self.skipped_steps, skipped=overflow, loss_scale=self.scaler.scale,
             grad_norm=norm, step_s=t1 - self._t_last, optimizer_s=t1 - t0,
@@ -219,12 +237,12 @@ class Engine(ModuleSurface, DeepSpeedSurface):
             param_critical_reads=sum(s.critical_reads for s in fs),
             param_stall_s=sum(s.stall_s for s in fs),
             optimizer_io_wait_s=stats.io_wait_s + self.optimizer.deferred_wait_s - self._deferred_mark,
-            param_read_bytes=sum(s.bytes_read for s in fs), optimizer_read_bytes=stats.bytes_read,
-            optimizer_write_bytes=stats.bytes_written,
+            param_read_bytes=sum(s.bytes_read for s in fs), optimizer_read_bytes=stats.bytes_read + bet_read,
+            optimizer_write_bytes=stats.bytes_written + bet_written,
             param_write_bytes=self._param_bytes_written() - self._param_written_mark,
             peak_live_elements=self.store.peak_live_elements,
             gathered_bytes=self.store.bytes_gathered - self._gathered_mark,
-            comm_s=self.comm.time_s - self._comm_mark))
+            comm_s=self.comm.time_s - self._comm_mark, speculation=speculation))
         self._comm_mark = self.comm.time_s
         self._deferred_mark = self.optimizer.deferred_wait_s
         self._gathered_mark = self.store.bytes_gathered
@@ -305,6 +323,18 @@ class Engine(ModuleSurface, DeepSpeedSurface):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _why_no_bet(plan: OffloadPlan) -> str:
+    """Why the optimizer cannot take the step during backward as a bet (can_speculate is false)."""
+    if plan.shard_source is not ShardSource.OPTIMIZER_FILE:
+        return ("it needs parameters and optimizer both on NVMe, the shards read from the optimizer's files "
+                "(here they live elsewhere, and a rolled-back bet could not restore them)")
+    short = [d.path for d in plan.disk if d.free < d.ranks * (d.param_bytes + 2 * d.optimizer_bytes)]
+    if short:
+        return (f"no room on {', '.join(short)} (on some rank) for a second copy of the optimizer's files; the "
+                "step runs after backward")
+    return "a rank cannot (see its log)"
 
 
 def _cast_floats(obj, dtype, device):

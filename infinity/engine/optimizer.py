@@ -40,6 +40,43 @@ the next forward] in deferred.py). The states it takes first are read
 during backward (`read_ahead_for_step`) into the buffers beyond the one its
 walk needs, so backward lends from those as well.
 
+[Note: the speculative step]
+With clipping or fp16 the step needs every gradient first, so it used to
+run after backward, and with its state on NVMe its I/O ran under the next
+forward alone: with checkpointing about a quarter of the step, which at 1B
+is shorter than the 26 B/param the step moves. Where most steps do not
+clip, that wait buys nothing. So, with `infinity.speculative_step`, the
+step during backward above also runs under clipping and fp16, betting that
+the clip coefficient will be exactly 1 and nothing will overflow: each
+group steps when its gradient is final, with grad_scale the loss scale
+(what the step after backward uses when the coefficient is 1), and writes
+its new state to the second slot of its file ([Note: a speculative step
+writes a second slot] in swap/state.py), keeping the one it read. The
+gradients are kept (the step after backward keeps them too). At the end of
+backward the checks of the step after backward run on them, unchanged
+(overflow on every rank, the global norm summed per shard in registration
+order) and with the same collectives; if the coefficient is 1.0, nothing
+overflowed and no group got a gradient after it stepped (reentrant
+checkpointing), every group's written slot becomes live (`commit`), and
+the step is the one the step after backward would have taken, bit for bit:
+the same gradients, hyper-parameters, grad_scale and state. Otherwise
+every group goes back to the slot it read (`rollback`, no I/O), the step
+count too, and `Engine.step` takes the step after backward as if nothing
+had been tried. The bet's cost is then its I/O, on a disk backward's reads
+share. So the engine bets only when the last step did not clip and did
+not overflow (its norm is known anyway); a run whose steps clip pays one
+wasted step when it starts to, and nothing while it goes on clipping.
+
+It needs the state's slots on NVMe, and the shards read from the
+optimizer's files (parameters and optimizer both on NVMe: alias.py), so
+that a rollback leaves every copy of the weights as it was: reads of a
+group's shards during backward (reentrant recompute) go to the slot that
+is live, with its checksum ([Note: compute-dtype shards in the optimizer
+file]; a speculative write's checksums wait in the reader until commit).
+Where shards live in memory, publishing a group's new weights overwrites
+them, and is not undone. It needs disk room for a second copy of the
+optimizer's files on every rank (`can_speculate`, agreed by all ranks).
+
 [Note: backward reads from the state]
 A parameter shard is the compute-dtype rounding of its master weight (the
 kernel writes it in the same pass, round-to-nearest-even as torch rounds),
@@ -223,6 +260,13 @@ class ShardedAdam(torch.optim.Optimizer):
         self.trace = trace
         self.overflow = False  # the last step's: an fp16 overflow skipped it (DeepSpeed's optimizer.overflow)
         self._overlap_sq = 0.0
+        self._speculative = False  # the step during backward is a bet ([Note: the speculative step])
+        self._spoiled = False  # a group got a gradient after it had stepped in the bet
+        self.can_speculate = False
+        """Every rank can take the step during backward as a bet ([Note: the speculative step])."""
+        self.speculation: str | None = None
+        """The last step's bet: "committed", "redone" (rolled back, then taken after backward) or None."""
+        self.speculation_stats: StepStats | None = None  # a rolled-back bet's I/O, reported with its step
         self._stepped_order: list[int] = []  # this step during backward's groups, in the order they stepped
         self._last_order: list[int] = []  # the last completed one's (see _read_ahead)
         self._deferred: DeferredStep | None = None  # the rest of the last step, finished by the next forward
@@ -230,6 +274,15 @@ class ShardedAdam(torch.optim.Optimizer):
         self.buckets = GradientBuckets(comm, self, cfg.zero_optimization.reduce_bucket_size)
         store.attach(self)
         self._init_state()
+        self.can_speculate = self._room_to_speculate(plan)
+
+    def _room_to_speculate(self, plan: OffloadPlan) -> bool:
+        """A speculative step is possible here and on every rank: the state on NVMe, the shards in its files,
+        and room on each filesystem for a second copy of the optimizer's files (a collective)."""
+        ok = (self.store.shard_source is ShardSource.OPTIMIZER_FILE and bool(self.groups)
+              and all(isinstance(g.state, NvmeState) for g in self.groups)
+              and all(d.free >= d.ranks * (d.param_bytes + 2 * d.optimizer_bytes) for d in plan.disk))
+        return self.comm.all_ok(ok)
 
     @property
     def overlapping(self) -> bool:
@@ -299,7 +352,7 @@ class ShardedAdam(torch.optim.Optimizer):
             if views.lowp is not None:
                 views.lowp.copy_(views.param)
             for mp, off, lo, hi in g.entries():
-                reader.place(slice_id(mp), g.state.swapper, g.state.id, base + reader.itemsize * off, hi - lo,
+                reader.place(slice_id(mp), g.state, base + reader.itemsize * off, hi - lo,
                              at=lo)
                 reader.record(reader.key(slice_id(mp), lo), shards[off:off + hi - lo])
 
@@ -328,7 +381,9 @@ class ShardedAdam(torch.optim.Optimizer):
         if self._deferred is not None:
             self.settle()
         groups = self.groups_of[id(mp)]
-        if any(g.stepped for g in groups):
+        if self._speculative and any(g.stepped for g in groups):
+            self._spoiled = True  # the bet is off; its gradient is kept, and the step after backward takes it
+        elif any(g.stepped for g in groups):
             raise RuntimeError(f"infinity: parameter {mp.name} received a gradient after its group was stepped; "
                                "see [Note: stepping during backward] (use non-reentrant activation checkpointing, "
                                "or set gradient_clipping to keep the step after backward)")
@@ -424,12 +479,20 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.store.shard_source is ShardSource.OPTIMIZER_FILE:
             self.store.alias.drop_staged()
 
-    def begin_overlapped_step(self) -> None:
-        """Before the last micro-batch's backward: step each group as soon as its gradient is final."""
+    def begin_overlapped_step(self, *, speculative: bool = False, loss_scale: float = 1.0) -> None:
+        """Before the last micro-batch's backward: step each group as soon as its gradient is final; with
+        `speculative`, as a bet that the clip will not scale and nothing will overflow ([Note: the speculative
+        step]), the gradients unscaled by `loss_scale`."""
         self._drop_staged()
         self.step_count += 1
-        self._overlap_hyper = dict(step=self.step_count, grad_scale=1.0)
+        # loss_scale / a clip coefficient of 1.0, as the step after backward computes it
+        self._overlap_hyper = dict(step=self.step_count, grad_scale=loss_scale / 1.0)
         self._overlap_sq = 0.0
+        self._speculative, self._spoiled = speculative, False
+        self.speculation, self.speculation_stats = None, None
+        if speculative:
+            for g in self.groups:
+                g.state.speculate()
         # reserve 1: a read started on a group's first gradient leaves the critical path a buffer.
         self._pipe = StatePipeline(Mode.UPDATE, reserve=1, trace=self.trace)
         self._expecting = False
@@ -442,13 +505,15 @@ class ShardedAdam(torch.optim.Optimizer):
         self._stepped_order = []
 
     def _step_now(self, g: _Group) -> None:
-        self._overlap_sq += float(torch.linalg.vector_norm(g.grad)) ** 2
+        if not self._speculative:
+            self._overlap_sq += float(torch.linalg.vector_norm(g.grad)) ** 2
         self._pipe.run(g.state, self._adam_work(g, self.hyper_for(g, **self._overlap_hyper)))
         g.stepped = True
         self._stepped_order.append(g.index)
-        g.grad = None
-        for mp in g.params:
-            mp.grad = None
+        if not self._speculative:  # a bet keeps the gradients: a step after backward may need them
+            g.grad = None
+            for mp in g.params:
+                mp.grad = None
         self._read_ahead()
 
     def _read_ahead(self, depth: int = 2) -> None:
@@ -471,10 +536,12 @@ class ShardedAdam(torch.optim.Optimizer):
             if started >= depth:
                 return
 
-    def end_overlapped_step(self):
+    def end_overlapped_step(self, *, loss_scale: float = 1.0, max_norm: float = 0.0):
         """After backward: step groups some parameter of which got no gradient; wait for the writes.
 
-        Returns (overflowed=False, grad_norm, StepStats), like step().
+        Returns (overflowed=False, grad_norm, StepStats), like step(); after a bet ([Note: the speculative
+        step]) that lost (the clip to `max_norm` scales, an overflow, a late gradient), None: every group is
+        back as it was, its gradient kept, and step() takes the step after backward.
         """
         pipe = self._pipe
         try:
@@ -487,11 +554,15 @@ class ShardedAdam(torch.optim.Optimizer):
             self._last_order = self._stepped_order
         except BaseException:
             pipe.abandon()
+            if self._speculative:
+                self._rollback()
             raise
         finally:
             self._pipe = None
             for g in self.groups:
                 g.stepped = False
+        if self._speculative:
+            return self._settle_bet(pipe.stats, loss_scale, max_norm)
         self.store.flush()
         self.store.refresh_persistent()
         sq = torch.tensor([self._overlap_sq], dtype=torch.float64)
@@ -500,13 +571,57 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def cancel_overlapped_step(self) -> None:
         """Backward failed part-way: let what the step started finish, and hand every buffer back. Groups
-        already stepped keep their new state; the others keep the old."""
+        already stepped keep their new state; the others keep the old (after a bet, every group keeps the
+        old)."""
         self.expect_step(False)
         if self._pipe is not None:
             self._pipe.abandon()
             self._pipe = None
             for g in self.groups:
                 g.stepped = False
+            if self._speculative:
+                self._rollback()
+
+    def _settle_bet(self, stats: StepStats, loss_scale: float, max_norm: float):
+        """The end of a speculative step: commit it if the step after backward would have been the same, bit for
+        bit; else roll it back (see [Note: the speculative step])."""
+        self._speculative = False
+        try:
+            overflow, spoiled, norm = self._judge(loss_scale, spoiled=self._spoiled)
+        except BaseException:
+            self._rollback()
+            raise
+        if overflow or spoiled or clip_coef(norm, max_norm) != 1.0:
+            self._rollback()
+            self.speculation, self.speculation_stats = "redone", stats
+            return None
+        for g in self.groups:
+            g.state.commit()
+        self.store.alias.commit_pending()
+        for g in self.groups:  # the bet's gradients are not needed any more
+            g.grad = None
+            for mp in g.params:
+                mp.grad = None
+        self.speculation = "committed"
+        self.overflow = False
+        self.store.flush()
+        self.store.refresh_persistent()
+        return False, norm, stats
+
+    def take_speculation(self) -> tuple[str | None, StepStats | None]:
+        """The last step's bet ("committed", "redone" or None) and a rolled-back bet's I/O; both are then
+        forgotten."""
+        out = self.speculation, self.speculation_stats
+        self.speculation = self.speculation_stats = None
+        return out
+
+    def _rollback(self) -> None:
+        """Every group back to the slot it read, its checksums with it, and the step count: as before the bet."""
+        self._speculative = False
+        self.step_count -= 1
+        for g in self.groups:
+            g.state.rollback()
+        self.store.alias.drop_pending()
 
     # ------------------------------------------------------ step after backward
 
@@ -571,21 +686,27 @@ class ShardedAdam(torch.optim.Optimizer):
                                       min(mp.index for mp in g.params), g.index))
         return now, later
 
-    def _step_after_backward(self, loss_scale: float, max_norm: float, defer: bool):
+    def _judge(self, loss_scale: float, *, spoiled: bool = False) -> tuple[bool, bool, float]:
+        """What every step checks on the gradients, on every rank: (an overflow anywhere, `spoiled` anywhere,
+        the global norm of the unscaled gradients; inf after either)."""
         grads = self._grads()
-        flag = torch.tensor([0.0 if _finite(grads) else 1.0])
-        if self.comm.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX).item() > 0:
-            return True, float("inf"), StepStats(skipped=True)
+        flag = torch.tensor([0.0 if _finite(grads) else 1.0, 1.0 if spoiled else 0.0])
+        overflow, spoiled = (v > 0 for v in self.comm.all_reduce_(flag, op=torch.distributed.ReduceOp.MAX).tolist())
+        if overflow or spoiled:
+            return overflow, spoiled, float("inf")
         # fp32 norms per parameter shard, in registration order, summed in fp64 (a fp64 norm would convert every
         # gradient first): the same bits however the shards are packed into sub-groups.
         shards = sorted({id(mp): mp for g in self.groups for mp in g.params}.values(), key=lambda mp: mp.index)
         norms = [torch.linalg.vector_norm(mp.grad) for mp in shards if mp.grad.numel()]
         norms = torch.stack(norms).cpu().tolist() if norms else []  # one transfer from an accelerator
         sq = torch.tensor([sum(n * n for n in norms)], dtype=torch.float64)
-        norm = math.sqrt(self.comm.all_reduce_(sq).item()) / loss_scale
-        coef = 1.0
-        if max_norm > 0:
-            coef = min(1.0, max_norm / (norm + 1e-6))
+        return False, False, math.sqrt(self.comm.all_reduce_(sq).item()) / loss_scale
+
+    def _step_after_backward(self, loss_scale: float, max_norm: float, defer: bool):
+        overflow, _, norm = self._judge(loss_scale)
+        if overflow:
+            return True, float("inf"), StepStats(skipped=True)
+        coef = clip_coef(norm, max_norm)
         self.step_count += 1
         step = dict(step=self.step_count, grad_scale=loss_scale / coef)
         works = [self._adam_work(g, self.hyper_for(g, **step)) for g in self.groups]
@@ -676,7 +797,8 @@ class ShardedAdam(torch.optim.Optimizer):
             reader = self.store.alias
             shards = [(reader.key(slice_id(mp), lo), base + size * off, hi - lo)
                       for mp, off, lo, hi in g.entries()]
-            reader.record_on_write(g.state.swapper, g.state.id, shards)
+            target = g.state.write_id  # a bet's writes go to the slot that is not live yet
+            reader.record_on_write(g.state.swapper, target, shards, pending=target != g.state.id)
             return
         src = lowp if lowp is not None else master
         if g.split:  # a RAM home (can_split): this piece's slice of the shard
@@ -775,6 +897,11 @@ class _OneParam:
 
     def entries(self):
         return [(self.params[0], 0, 0, self.numel)]
+
+
+def clip_coef(norm: float, max_norm: float) -> float:
+    """What the gradients are scaled by to clip their global norm to max_norm (0: no clipping)."""
+    return min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
 
 
 def _finite(grads) -> bool:

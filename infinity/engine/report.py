@@ -39,6 +39,9 @@ class StepReport:
     """Time in blocking collectives (gathers, gradient reduce-scatters, norms) since the previous step."""
     gathered_bytes: int = 0
     """Full parameters materialised (forward and backward), from any tier: the CPU/device tier's traffic."""
+    speculation: str | None = None
+    """The step taken during backward as a bet ([Note: the speculative step] in optimizer.py): "committed", or
+    "redone" (rolled back and taken after backward; the bet's I/O is in the byte counts); None: no bet."""
 
     @property
     def prefetch_hit_rate(self) -> float:

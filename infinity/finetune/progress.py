@@ -82,6 +82,11 @@ class Progress:
                  f"{moved / 1e9:.2f} GB moved to and from swap",
                  f"loss {first:.3f} -> {last:.3f} (mean of the last {min(5, len(rows))} steps); metrics in "
                  f"{out_dir}/metrics.jsonl"]
+        bets = [r.get("speculation") for r in rows if r.get("speculation")]
+        if bets:  # [Note: the speculative step] in engine/optimizer.py
+            lost = bets.count("redone")
+            lines.append(f"steps taken during backward as a bet on no clipping: {len(bets) - lost} committed, "
+                         f"{lost} rolled back and taken after backward")
         if model_dir is not None:
             lines.append(f"model written to {model_dir}")
         for line in lines:

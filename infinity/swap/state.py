@@ -296,6 +296,20 @@ class NvmeState(GroupState):
     With `master=False` the partition is [exp_avg | exp_avg_sq] only and AdamViews.param is None: for
     parameters that are their own fp32 master in host memory (OffloadAdamW steps them in place), so a step moves
     8 bytes per parameter each way instead of 12.
+
+    [Note: a speculative step writes a second slot]
+    A step taken before it is known to stand (during backward, before the
+    global norm says whether the clip scales: [Note: the speculative step] in
+    engine/optimizer.py) must keep the state it started from until it
+    commits. So the group has two partitions, `<id>` and `<id>.b` (the
+    second made by the first such write). `speculate()` sends the next write
+    to the slot that is not live, leaving the live one's file as it was;
+    reads, lends and shard reads (engine/alias.py) keep going to the live
+    slot. `commit()` makes the written slot live; `rollback()` forgets it, so
+    the group is exactly as before the step. The flip is a Python field: no
+    byte moves to commit, and the write that lands in the other slot never
+    touches the bytes a rollback goes back to. The price is disk: a second
+    copy of the optimizer's files (the engine checks the room for it first).
     """
 
     tier = Tier.NVME
@@ -307,7 +321,10 @@ class NvmeState(GroupState):
             raise ValueError("NvmeState: a compute-dtype tail needs the master weights in the partition")
         self.master = master
         self.swapper = swapper
-        self.id = part_id
+        self._ids = (part_id, f"{part_id}.b")
+        self._slot = 0  # which of _ids is live
+        self._next: int | None = None  # the slot the next write goes to, while speculating
+        self._wrote_next = False
         self._read = None  # the prefetched (or open()'s) read future
         self._blank = None  # the pool buffer open(blank=True) took, until close() hands it to the write
         self._words = state_nbytes(numel, moments, master=master) // 4
@@ -340,6 +357,39 @@ class NvmeState(GroupState):
         if self.lowp is not None:
             lowp = buf.tensor[4 * self._words:4 * self._words + self.tail_nbytes].view(self.lowp)
         return AdamViews(state[:n], moments[:k], moments[k:], lowp)
+
+    @property
+    def id(self) -> str:
+        """The live slot's partition: what reads, lends and shard reads use."""
+        return self._ids[self._slot]
+
+    @property
+    def write_id(self) -> str:
+        """The partition the next write goes to: the other slot while speculating, else the live one."""
+        return self._ids[self._next] if self._next is not None else self.id
+
+    def speculate(self) -> None:
+        """Send the next write to the slot that is not live (see [Note: a speculative step writes a second
+        slot]); commit() or rollback() ends it."""
+        if self._next is None:
+            self._next, self._wrote_next = 1 - self._slot, False
+
+    def commit(self) -> None:
+        """The speculative write (landed) becomes the live state."""
+        if self._next is None:
+            return
+        if not self._wrote_next:
+            raise RuntimeError(f"{self._ids[0]}: commit of a speculative step that wrote nothing")
+        self._slot, self._next = self._next, None
+
+    def rollback(self) -> None:
+        """Forget the speculative write: the live slot still holds the state from before it. A write that failed
+        (its partition kept the buffer, dirty) gives the buffer back."""
+        if self._next is None:
+            return
+        other, self._next = self._ids[self._next], None
+        if other in self.swapper.registry and self.swapper.registry[other].residency is Residency.IN_CPU:
+            self.swapper.release(other, discard=True)
 
     @property
     def path(self) -> str:
@@ -393,6 +443,10 @@ class NvmeState(GroupState):
         if not write:
             sw.release(self.id)
             return None
+        if self._next is not None:
+            fut = sw.swap_out_as(self.id, self.write_id, tail_nbytes=self.tail_nbytes)
+            self._wrote_next = True
+            return fut
         view = sw.registry[self.id].buffer.view(torch.float32, self._words)
         return sw.swap_out(self.id, view, tail_nbytes=self.tail_nbytes)
 
@@ -418,10 +472,10 @@ class NvmeState(GroupState):
                 pass
 
     def at_rest(self) -> bool:
-        try:
-            return self.swapper.registry[self.id].buffer is None and self._read is None
-        except KeyError:
-            return True
+        if self._read is not None or self._next is not None:
+            return False
+        return all(pid not in self.swapper.registry or self.swapper.registry[pid].buffer is None
+                   for pid in self._ids)
 
 
 class _Lent:

@@ -443,6 +443,23 @@ class TensorSwapper:
             part.begin_write(buf)  # asserts ON_DISK or IN_CPU
         return self._write(part, buf)
 
+    def swap_out_as(self, src_id: str, dst_id: str, *, tail_nbytes: int = 0) -> SwapFuture:
+        """Write the buffer partition `src_id` holds (read in, changed in place) as partition `dst_id`, and leave
+        `src_id` on disk with the bytes its file had: a write to a second slot that keeps the first (see [Note: a
+        speculative step writes a second slot] in swap/state.py). `src_id` must be IN_CPU and clean, `dst_id`
+        on disk (or new); `dst_id` takes `src_id`'s numel and dtype, and `tail_nbytes`. A failed write leaves
+        `dst_id` IN_CPU and dirty, holding the buffer (release it with discard=True to drop it)."""
+        self._check_open()
+        src = self.registry[src_id]
+        dst = self._partition_for(dst_id, src.dtype, src.numel, tail_nbytes)
+        with self._lock:
+            if dst.residency is not Residency.ON_DISK:
+                raise RuntimeError(f"swap_out_as({src_id!r}, {dst_id!r}): {dst_id} is {dst.residency.name}; "
+                                   "wait for its pending swap first")
+            buf = src.drop()  # refuses a dirty partition: its bytes are not in its file
+            dst.begin_write(buf)
+        return self._write(dst, buf)
+
     def on_next_write(self, part_id: str, fn) -> None:
         """Run fn(buffer) on the write reaper during the next write of `part_id` (the PoolBuffer it is written
         from, tail included), before its own checksum and before its future completes (an error fn raises goes

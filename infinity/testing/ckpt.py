@@ -61,6 +61,7 @@ def train(cfg: dict, steps: int, *, start: int = 0, load: str | None = None, loa
             engine.save_checkpoint(save, save_tag, client_state={"next_step": start + steps})
         with gathered_parameters(list(m.parameters())):
             out["weights"] = {n: p.detach().float().clone() for n, p in m.named_parameters()}
+        out["reports"] = [(r.grad_norm, r.speculation) for r in engine.reports]
     finally:
         engine.close()
     return out

@@ -610,7 +610,7 @@ def _one_step(engine, data, step: int, accum: int) -> dict:
             "prefetch_hit_rate": r.prefetch_hit_rate, "param_fetches": r.param_fetches,
             "param_critical_reads": r.param_critical_reads, "param_stall_s": r.param_stall_s,
             "skipped": r.skipped, "loss_scale": r.loss_scale, "grad_norm": r.grad_norm,
-            "lr": lr[0]}
+            "speculation": r.speculation, "optimizer_io_wait_s": r.optimizer_io_wait_s, "lr": lr[0]}
 
 
 def _resume(args, engine, seq: int, rank: int) -> int:

@@ -76,7 +76,7 @@ class NanoGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1))
 
 
-def config(disk, *, defer, precision="bf16", params="nvme", gas=1, clip=1.0):
+def config(disk, *, defer, precision="bf16", params="nvme", gas=1, clip=1.0, speculate=False):
     nvme = {"device": "nvme", "nvme_path": str(disk)}
     return load_config({
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
@@ -88,7 +88,7 @@ def config(disk, *, defer, precision="bf16", params="nvme", gas=1, clip=1.0):
         "zero_optimization": {"stage": 3, "sub_group_size": 20_000, "stage3_param_persistence_threshold": 1000,
                               "offload_param": nvme if params == "nvme" else {"device": params},
                               "offload_optimizer": dict(nvme, buffer_count=4)},
-        "infinity": {"step_during_forward": defer}})
+        "infinity": {"step_during_forward": defer, "speculative_step": speculate}})
 
 
 def build(disk, **kw):

@@ -170,7 +170,7 @@ def test_a_parameter_without_a_gradient_is_stepped_after_backward(tmp_path):
     events = []
     real_step, real_end = e.optimizer._step_now, e.optimizer.end_overlapped_step
     e.optimizer._step_now = lambda g: (events.append(("step", g.index)), real_step(g))[1]
-    e.optimizer.end_overlapped_step = lambda: (events.append(("backward done",)), real_end())[1]
+    e.optimizer.end_overlapped_step = lambda **kw: (events.append(("backward done",)), real_end(**kw))[1]
     try:
         g_unused = e.optimizer.groups_of[id(e.store.params[2])][0]
         g_used = e.optimizer.groups_of[id(e.store.params[0])][0]

@@ -91,6 +91,27 @@ def test_in_place_update_is_written_without_a_copy(swapper):
     assert torch.equal(swapper.swap_in("m").wait(), torch.ones(1000))
 
 
+def test_a_write_to_a_second_slot_keeps_the_first(swapper):
+    """swap_out_as: the buffer a partition was read into, changed, is written as another partition; the first
+    keeps its file's bytes (a speculative step's rollback reads them again) and both checksums hold."""
+    old = torch.arange(5000, dtype=torch.float32)
+    swapper.swap_out("a", old).wait()
+    view = swapper.swap_in("a").wait()
+    view.mul_(-1)
+    swapper.swap_out_as("a", "a.b").wait()
+    assert swapper.registry["a"].residency is Residency.ON_DISK and swapper.registry["a.b"].residency is \
+        Residency.ON_DISK and swapper.pool.free_count == 4
+    assert torch.equal(swapper.swap_in("a").wait(), old)
+    assert torch.equal(swapper.swap_in("a.b").wait(), -old)
+    # The target busy (here: in memory): refused before anything moves; the source keeps its buffer.
+    with pytest.raises(RuntimeError, match="a.b is IN_CPU; wait for its pending swap first"):
+        swapper.swap_out_as("a", "a.b")
+    assert swapper.registry["a"].residency is Residency.IN_CPU
+    swapper.release("a")
+    swapper.release("a.b")
+    assert swapper.pool.free_count == 4
+
+
 def test_shape_mismatch(swapper):
     swapper.swap_out("a", torch.zeros(10)).wait()
     with pytest.raises(ValueError, match=r"swap_out\('a'\): registered as 10 x torch.float32, got 11 x torch.float32"):

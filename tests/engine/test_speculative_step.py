@@ -1,0 +1,192 @@
+"""The speculative step ([Note: the speculative step] in infinity/engine/optimizer.py): with clipping or fp16,
+parameters and optimizer on NVMe, a step during backward taken as a bet that the clip will not scale and
+nothing will overflow, committed when it holds and rolled back when it does not. Every run here is held, bit
+for bit, to the same run with `speculative_step: false` (the step after backward, finished by the next
+forward): committed bets, lost bets (the clip fires, fp16 overflows, a reentrant checkpoint sends a gradient
+after its group stepped), fp32, bf16 and fp16, and the disk-room check that turns it off."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as ckpt
+
+from infinity.engine import initialize, zero_init
+from tests.engine.test_deferred_step import VOCAB, NanoGPT, batch, config, same, weights
+
+CLIP = 2.5
+"""Between the global norms of these runs' steps (2.0-2.9): some clip and some do not."""
+
+
+def build(disk, *, speculate, model=NanoGPT, **kw):
+    cfg = config(disk, defer=True, speculate=speculate, **kw)
+    torch.manual_seed(0)
+    with zero_init(cfg):
+        m = model()
+    return initialize(m, cfg)
+
+
+def run(disk, steps, *, poke=None, **kw):
+    """Losses, final weights and each step's report of `steps` steps; poke(engine, step) before each."""
+    e = build(disk, **kw)
+    try:
+        losses = []
+        for s in range(steps):
+            if poke is not None:
+                poke(e, s)
+            for m in range(e.gradient_accumulation_steps()):
+                x, y = batch(3 * (s % 3) + m)  # three batches, again and again: epochs of a tiny dataset
+                loss = e(x, y)
+                e.backward(loss)
+                e.step()
+            losses.append(loss.item())
+        return losses, weights(e), list(e.reports), e
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("precision,gas", [("bf16", 1), ("fp32", 2), ("fp16", 1)])
+def test_a_bet_that_holds_is_the_step_after_backward(disk_dir, precision, gas):
+    """No step clips: from the second step on (the first has no last step to go by) every step is a committed
+    bet, and the run equals the one without bets, bit for bit."""
+    runs = {}
+    for speculate in (False, True):
+        runs[speculate] = run(disk_dir / str(speculate), 5, speculate=speculate, precision=precision, gas=gas,
+                              clip=1e4)
+    (l0, w0, r0, _), (l1, w1, r1, e) = runs[False], runs[True]
+    assert e.optimizer.can_speculate
+    assert l1 == l0 and [r.grad_norm for r in r1] == [r.grad_norm for r in r0]
+    same(w0, w1)
+    assert [r.speculation for r in r0] == [None] * 5
+    assert [r.speculation for r in r1] == [None] + ["committed"] * 4
+    # A committed bet moves the step's bytes once, as the step after backward does.
+    assert [r.optimizer_read_bytes for r in r1] == [r.optimizer_read_bytes for r in r0]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_lost_bet_is_rolled_back_and_the_step_taken_after_backward(disk_dir, precision):
+    """The clip fires on a step after one it did not: that bet is rolled back (no trace of it in the weights)
+    and the step after backward taken; the next step does not bet. Bit for bit the run without bets."""
+    clip = CLIP
+    runs = {s: run(disk_dir / f"r{s}", 8, speculate=s, precision=precision, clip=clip) for s in (False, True)}
+    (l0, w0, r0, _), (l1, w1, r1, _) = runs[False], runs[True]
+    assert l1 == l0
+    same(w0, w1)
+    stood = [r.grad_norm + 1e-6 <= clip for r in r0]
+    # A step bets when the last one stood, and the bet holds when this one stands too.
+    expected = [None] + [None if not before else "committed" if now else "redone"
+                         for before, now in zip(stood, stood[1:])]
+    assert [r.speculation for r in r1] == expected
+    assert "committed" in expected and "redone" in expected, f"norms {[r.grad_norm for r in r0]} do not " \
+                                                              "exercise both outcomes"
+    for k, r in enumerate(r1):  # a lost bet's I/O is counted with its step: the state read and written twice
+        factor = 2 if r.speculation == "redone" else 1
+        assert r.optimizer_read_bytes == factor * r0[k].optimizer_read_bytes
+
+
+def test_an_fp16_overflow_during_a_bet_skips_the_step(disk_dir):
+    """A loss scale that overflows, set on a step that bets: the bet is rolled back and the step skipped, as
+    without the bet; the scaler goes on the same way."""
+    kept = {}
+
+    def poke(e, s):
+        if s == 3:
+            kept["scale"], e.scaler.scale = e.scaler.scale, 2.0 ** 60  # the fp16 gradients overflow
+        if s == 4:
+            e.scaler.scale = kept["scale"]
+    runs = {s: run(disk_dir / f"r{s}", 6, speculate=s, precision="fp16", clip=1e4, poke=poke) for s in (False, True)}
+    (l0, w0, r0, _), (l1, w1, r1, _) = runs[False], runs[True]
+    assert l1 == l0
+    same(w0, w1)
+    assert [r.skipped for r in r1] == [r.skipped for r in r0] == [False] * 3 + [True] + [False] * 2
+    assert [r.loss_scale for r in r1] == [r.loss_scale for r in r0]
+    assert [r.speculation for r in r1] == [None, "committed", "committed", "redone", None, "committed"]
+
+
+class Shared(nn.Module):
+    """A block under reentrant activation checkpointing whose output projection is also used outside it: its
+    gradient arrives twice in one backward, the second after its group could have stepped."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 64)
+        self.inner = nn.Linear(64, 64)
+        self.proj = nn.Linear(64, 64)
+        self.head = nn.Linear(64, VOCAB)
+
+    def _block(self, x):
+        return self.proj(torch.tanh(self.inner(x)))
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        x = x + ckpt.checkpoint(self._block, x, use_reentrant=True)
+        x = self.proj(x)
+        return nn.functional.cross_entropy(self.head(x).float().view(-1, VOCAB), targets.reshape(-1))
+
+
+def test_a_gradient_after_its_group_stepped_loses_the_bet(disk_dir):
+    """With the exact step during backward (no clipping) backward's second use of a stepped group's parameter
+    is an error; under a bet it reads the slot still live and only loses the bet, and the run equals the one
+    without bets."""
+    kw = dict(model=Shared, clip=1e4)
+    runs = {s: run(disk_dir / f"r{s}", 4, speculate=s, **kw) for s in (False, True)}
+    (l0, w0, _, _), (l1, w1, r1, _) = runs[False], runs[True]
+    assert l1 == l0
+    same(w0, w1)
+    assert [r.speculation for r in r1][1:] == ["redone"] * 3
+    # Which of the two loud errors comes first depends on whether the group's write has landed when backward
+    # reads the parameter again: its second gradient, or the read of a file whose write is pending.
+    with pytest.raises(RuntimeError, match="received a gradient after its group was stepped|read the parameter "
+                                           "again after its sub-group had stepped"):
+        run(disk_dir / "exact", 2, speculate=False, model=Shared, clip=0.0)
+
+
+def test_no_room_for_a_second_copy_turns_the_bet_off(disk_dir, monkeypatch, caplog):
+    """A filesystem with room for the optimizer's files once but not twice: no bet, said once with the path,
+    and the run is the step after backward's."""
+    real = shutil.disk_usage
+    need = {}
+
+    def usage(path):
+        u = real(path)
+        free = need.get("free")
+        return u if free is None else u._replace(free=free)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    e = build(disk_dir / "probe", speculate=True)
+    d, = e.plan.disk
+    e.close()
+    need["free"] = d.param_bytes + 2 * d.optimizer_bytes - 1
+    with caplog.at_level(logging.INFO, logger="infinity"):
+        losses, _, reports, e = run(disk_dir / "short", 4, speculate=True, clip=1e4)
+    assert not e.optimizer.can_speculate
+    assert [r.speculation for r in reports] == [None] * 4
+    said = [r.getMessage() for r in caplog.records if "speculative_step" in r.getMessage()]
+    assert len(said) == 1 and "no room" in said[0] and str(disk_dir / "short") in said[0]
+
+
+def test_two_ranks_bet_together_and_match_the_step_after_backward(tmp_path):
+    """2 gloo ranks, the repo's GPT with every parameter partitioned: both ranks bet and roll back together
+    (the outcome is agreed through the same collectives the step after backward makes), and the run equals
+    the one without bets, bit for bit."""
+    from infinity.testing.ckpt import spawn_train
+    from infinity.testing.parity import engine_config
+
+    clip = 1.55  # between this run's global norms (1.24-1.61): some steps clip, some do not
+    out = {}
+    for speculate in (False, True):
+        cfg = engine_config("nvme", tmp_path / f"swap{speculate}", **{
+            "bf16.enabled": True, "gradient_clipping": clip, "infinity.speculative_step": speculate})
+        out[speculate] = spawn_train(2, cfg, 8, str(tmp_path / f"out{speculate}.pt"))
+    a, b = out[False], out[True]
+    assert a["losses"] == b["losses"]
+    same(a["weights"], b["weights"])
+    stood = [norm + 1e-6 <= clip for norm, _ in a["reports"]]
+    expected = [None] + [None if not before else "committed" if now else "redone"
+                         for before, now in zip(stood, stood[1:])]
+    assert [s for _, s in b["reports"]] == expected
+    assert "committed" in expected and "redone" in expected, f"norms {a['reports']} do not exercise both outcomes"
