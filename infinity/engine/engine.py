@@ -210,6 +210,7 @@ class Engine(ModuleSurface, DeepSpeedSurface):
         if self._overlapped is not None:
             overflow, norm, stats = self._overlapped
             self._overlapped = None
+            self.optimizer.check_hyper_since_backward()
         else:
             with self._span("optimizer step"):
                 overflow, norm, stats = self.optimizer.step(loss_scale=self.scaler.scale,

@@ -59,7 +59,10 @@ order) and with the same collectives; if the coefficient is 1.0, nothing
 overflowed and no group got a gradient after it stepped (reentrant
 checkpointing), every group's written slot becomes live (`commit`), and
 the step is the one the step after backward would have taken, bit for bit:
-the same gradients, hyper-parameters, grad_scale and state. Otherwise
+the same gradients, hyper-parameters, grad_scale and state (the
+hyper-parameters are read as each group steps, during backward, as the
+exact step during backward reads them: an lr changed between backward and
+step() is not seen by either, and step() warns if one was). Otherwise
 every group goes back to the slot it read (`rollback`, no I/O), the step
 count too, and `Engine.step` takes the step after backward as if nothing
 had been tried. The bet's cost is then its I/O, on a disk backward's reads
@@ -260,6 +263,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self.trace = trace
         self.overflow = False  # the last step's: an fp16 overflow skipped it (DeepSpeed's optimizer.overflow)
         self._overlap_sq = 0.0
+        self._hyper_at_backward: list[tuple] = []  # the param groups' values when the last overlapped step began
+        self._said_hyper = False
         self._speculative = False  # the step during backward is a bet ([Note: the speculative step])
         self._spoiled = False  # a group got a gradient after it had stepped in the bet
         self.can_speculate = False
@@ -488,6 +493,7 @@ class ShardedAdam(torch.optim.Optimizer):
         # loss_scale / a clip coefficient of 1.0, as the step after backward computes it
         self._overlap_hyper = dict(step=self.step_count, grad_scale=loss_scale / 1.0)
         self._overlap_sq = 0.0
+        self._hyper_at_backward = self._hyper_now()
         self._speculative, self._spoiled = speculative, False
         self.speculation, self.speculation_stats = None, None
         if speculative:
@@ -607,6 +613,20 @@ class ShardedAdam(torch.optim.Optimizer):
         self.store.flush()
         self.store.refresh_persistent()
         return False, norm, stats
+
+    def _hyper_now(self) -> list[tuple]:
+        return [(float(pg["lr"]), tuple(pg["betas"]), float(pg["eps"]), float(pg["weight_decay"]))
+                for pg in self.param_groups]
+
+    def check_hyper_since_backward(self) -> None:
+        """At step(), after a step taken during backward: say so if the parameter groups' hyper-parameters
+        changed since backward began, since that step used the earlier ones (once a run)."""
+        if self._hyper_now() != self._hyper_at_backward and not self._said_hyper:
+            self._said_hyper = True
+            log.warning("infinity: the optimizer's lr, betas, eps or weight_decay changed between backward and "
+                        "step(); the step was taken during backward (gradient_clipping 0, or a committed "
+                        "speculative step) with the values from when backward began. Change them after step(), "
+                        "as torch's lr schedulers do, or set infinity.step_during_backward to false")
 
     def take_speculation(self) -> tuple[str | None, StepStats | None]:
         """The last step's bet ("committed", "redone" or None) and a rolled-back bet's I/O; both are then

@@ -190,3 +190,22 @@ def test_two_ranks_bet_together_and_match_the_step_after_backward(tmp_path):
                          for before, now in zip(stood, stood[1:])]
     assert [s for _, s in b["reports"]] == expected
     assert "committed" in expected and "redone" in expected, f"norms {a['reports']} do not exercise both outcomes"
+
+
+def test_an_lr_changed_between_backward_and_step_is_said(disk_dir, caplog):
+    """A committed bet used the lr from when backward began: one changed before step() is reported, once."""
+    e = build(disk_dir, speculate=True, clip=1e4)
+    try:
+        with caplog.at_level(logging.WARNING, logger="infinity"):
+            for s in range(4):
+                x, y = batch(s)
+                e.backward(e(x, y))
+                if s >= 2:
+                    for pg in e.optimizer.param_groups:
+                        pg["lr"] *= 0.5
+                e.step()
+        assert [r.speculation for r in e.reports] == [None, "committed", "committed", "committed"]
+        said = [r.getMessage() for r in caplog.records if "changed between backward and step()" in r.getMessage()]
+        assert len(said) == 1
+    finally:
+        e.close()
