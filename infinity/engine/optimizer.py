@@ -279,14 +279,25 @@ class ShardedAdam(torch.optim.Optimizer):
         self.buckets = GradientBuckets(comm, self, cfg.zero_optimization.reduce_bucket_size)
         store.attach(self)
         self._init_state()
-        self.can_speculate = self._room_to_speculate(plan)
+        self.can_speculate = self._room_to_speculate(plan, cfg)
 
-    def _room_to_speculate(self, plan: OffloadPlan) -> bool:
+    def _room_to_speculate(self, plan: OffloadPlan, cfg) -> bool:
         """A speculative step is possible here and on every rank: the state on NVMe, the shards in its files,
-        and room on each filesystem for a second copy of the optimizer's files (a collective)."""
+        and room on each filesystem for a second copy of the optimizer's files (a collective). Where the config
+        may bet (clipping or fp16), the second slots' files are reserved now."""
         ok = (self.store.shard_source is ShardSource.OPTIMIZER_FILE and bool(self.groups)
               and all(isinstance(g.state, NvmeState) for g in self.groups)
               and all(d.free >= d.ranks * (d.param_bytes + 2 * d.optimizer_bytes) for d in plan.disk))
+        inf = cfg.infinity
+        if ok and inf.step_during_backward and inf.speculative_step and (cfg.gradient_clipping > 0
+                                                                         or cfg.fp16.enabled):
+            try:
+                for g in self.groups:
+                    g.state.reserve_second_slot()
+            except OSError as exc:
+                log.warning("infinity: no speculative step: reserving the second slot of the optimizer's files "
+                            "failed: %s", exc)
+                ok = False
         return self.comm.all_ok(ok)
 
     @property

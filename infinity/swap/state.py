@@ -368,6 +368,11 @@ class NvmeState(GroupState):
         """The partition the next write goes to: the other slot while speculating, else the live one."""
         return self._ids[self._next] if self._next is not None else self.id
 
+    def reserve_second_slot(self) -> None:
+        """Reserve the second slot's file now, at setup, so the first speculative write does not allocate its
+        blocks as it goes (TensorSwapper.preallocate); a filesystem that cannot leaves it to that write."""
+        self.swapper.preallocate(self._ids[1], torch.float32, self._words, tail_nbytes=self.tail_nbytes)
+
     def speculate(self) -> None:
         """Send the next write to the slot that is not live (see [Note: a speculative step writes a second
         slot]); commit() or rollback() ends it."""

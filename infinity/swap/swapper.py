@@ -57,6 +57,7 @@ finish on their own.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -442,6 +443,27 @@ class TensorSwapper:
         with self._lock:
             part.begin_write(buf)  # asserts ON_DISK or IN_CPU
         return self._write(part, buf)
+
+    def preallocate(self, part_id: str, dtype: torch.dtype, numel: int, *, tail_nbytes: int = 0) -> bool:
+        """Register `part_id` as swap_out would and reserve its files' blocks now (posix_fallocate), so that its
+        first write does not extend them: an O_DIRECT write past the end of a file allocates as it goes (and
+        libaio may block in submission). False, with nothing reserved, where the filesystem cannot (EOPNOTSUPP,
+        EINVAL): the first write allocates, as for any new file. Any other failure (ENOSPC) raises an OSError
+        naming the file."""
+        self._check_open()
+        self._partition_for(part_id, dtype, numel, tail_nbytes)
+        for _, path, offset, _, n in self.extents(part_id):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, offset + n)
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    return False
+                raise OSError(exc.errno, f"reserving {offset + n:,} bytes for a swap file: {exc.strerror}",
+                              path) from None
+            finally:
+                os.close(fd)
+        return True
 
     def swap_out_as(self, src_id: str, dst_id: str, *, tail_nbytes: int = 0) -> SwapFuture:
         """Write the buffer partition `src_id` holds (read in, changed in place) as partition `dst_id`, and leave
