@@ -36,14 +36,17 @@ import time
 LAYERS, DIM = 16, 2048
 
 
-def config(nvme: str, gas: int, bf16: bool = False, clip: float = 0.0, moments: str = "fp32") -> dict:
+def config(nvme: str, gas: int, bf16: bool = False, clip: float = 0.0, moments: str = "fp32",
+           no_bet: bool = False) -> dict:
     """The DeepSpeed-style config; `moments` (offload_optimizer.moments_dtype) is infinity's alone: DeepSpeed's
-    side always gets fp32 (it has no such key)."""
+    side always gets fp32 (it has no such key). `no_bet` (infinity's alone) turns its speculative step off."""
     block = DIM * DIM
     optimizer = {"device": "nvme", "nvme_path": nvme, "buffer_count": 12}
     if moments != "fp32":
         optimizer["moments_dtype"] = moments
+    extra = {"infinity": {"speculative_step": False}} if no_bet else {}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": 8,
         "bf16": {"enabled": bf16},
         "gradient_accumulation_steps": gas,
@@ -73,7 +76,7 @@ def _proc_io() -> tuple[int, int]:
 
 
 def train(side: str, nvme: str, steps: int, gas: int, bf16: bool = False, clip: float = 0.0,
-          moments: str = "fp32") -> dict:
+          moments: str = "fp32", no_bet: bool = False) -> dict:
     """The training script, written as DeepSpeedExamples write theirs; only the import differs by side."""
     import torch
 
@@ -87,7 +90,8 @@ def train(side: str, nvme: str, steps: int, gas: int, bf16: bool = False, clip: 
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg = config(nvme, gas, bf16, clip, moments if side == "infinity" else "fp32")
+    ours = side == "infinity"
+    cfg = config(nvme, gas, bf16, clip, moments if ours else "fp32", no_bet and ours)
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = torch.nn.Sequential(*(torch.nn.Linear(DIM, DIM) for _ in range(LAYERS)))
@@ -112,7 +116,8 @@ def train(side: str, nvme: str, steps: int, gas: int, bf16: bool = False, clip: 
         rep = getattr(engine, "last_report", None)
         if rep is not None:
             counters.append({"param_read": rep.param_read_bytes / numel, "opt_read": rep.optimizer_read_bytes / numel,
-                             "opt_write": rep.optimizer_write_bytes / numel, "param_write": rep.param_write_bytes / numel})
+                             "opt_write": rep.optimizer_write_bytes / numel, "param_write": rep.param_write_bytes / numel,
+                             "grad_norm": rep.grad_norm, "speculation": rep.speculation})
     out = {"side": side, "numel": numel, "gas": gas, "bf16": bf16, "step_s": times, "proc_io_b_per_param": io,
            "final_loss": float(loss.item()), "counters_b_per_param": counters}
     if hasattr(engine, "close"):
@@ -120,11 +125,12 @@ def train(side: str, nvme: str, steps: int, gas: int, bf16: bool = False, clip: 
     return out
 
 
-def _side(side: str, nvme: str, steps: int, gas: int, bf16: bool, clip: float, moments: str) -> dict:
+def _side(side: str, nvme: str, steps: int, gas: int, bf16: bool, clip: float, moments: str, no_bet: bool) -> dict:
     d = tempfile.mkdtemp(prefix=f"{side}-", dir=nvme)
     try:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--nvme-path", d, "--steps", str(steps),
-               "--gas", str(gas), "--clip", str(clip), "--moments", moments] + (["--bf16"] if bf16 else [])
+               "--gas", str(gas), "--clip", str(clip), "--moments", moments] + (["--bf16"] if bf16 else []) + \
+            (["--no-bet"] if no_bet else [])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
@@ -149,10 +155,13 @@ def main(argv=None) -> int:
     p.add_argument("--clip", type=float, default=0.0, help="gradient_clipping on both sides (default 0: off)")
     p.add_argument("--moments", choices=("fp32", "bf16", "int8"), default="fp32",
                    help="infinity's offload_optimizer.moments_dtype (DeepSpeed keeps fp32)")
+    p.add_argument("--no-bet", action="store_true",
+                   help="infinity's speculative step off: with --clip, its step runs after backward")
     p.add_argument("--worker", choices=("infinity", "deepspeed"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(train(args.worker, args.nvme_path, args.steps, args.gas, args.bf16, args.clip, args.moments)))
+        print(json.dumps(train(args.worker, args.nvme_path, args.steps, args.gas, args.bf16, args.clip, args.moments,
+                               args.no_bet)))
         return 0
     os.makedirs(args.nvme_path, exist_ok=True)
     sides = ["infinity"] + (["deepspeed"] if _have_deepspeed() else [])
@@ -161,7 +170,8 @@ def main(argv=None) -> int:
     runs = {s: [] for s in sides}
     for r in range(args.rounds):
         for s in (sides if r % 2 == 0 else sides[::-1]):
-            runs[s].append(_side(s, args.nvme_path, args.steps, args.gas, args.bf16, args.clip, args.moments))
+            runs[s].append(_side(s, args.nvme_path, args.steps, args.gas, args.bf16, args.clip, args.moments,
+                                 args.no_bet))
     summary = {}
     for s, rs in runs.items():
         steady = [statistics.median(r["step_s"][1:]) for r in rs]
@@ -173,6 +183,9 @@ def main(argv=None) -> int:
         c = summary[s]["counters"]
         extra = (f"  engine: param reads {c['param_read']:.2f}, optimizer reads {c['opt_read']:.2f}, writes "
                  f"{c['opt_write']:.2f} + params {c['param_write']:.2f}" if c else "")
+        bets = [b["speculation"] for r in rs for b in r["counters_b_per_param"] if b.get("speculation")]
+        if bets:  # infinity's speculative step ([Note: the speculative step])
+            extra += f"  bets: {len(bets)}, lost {bets.count('redone')}"
         print(f"{s:9} step {summary[s]['step_s']:.3f} s (rounds: {', '.join(f'{x:.3f}' for x in steady)})  "
               f"loss {summary[s]['final_loss']:.6f}  /proc/self/io per param per step: read "
               f"{summary[s]['proc_read_b']:.2f} B, write {summary[s]['proc_write_b']:.2f} B{extra}")

@@ -242,10 +242,10 @@ class InfinityConfig:
     gradient_clipping or fp16, which need every gradient first, only as a bet (speculative_step)."""
     speculative_step: bool = spec(True)
     """With gradient_clipping or fp16, parameters and optimizer on NVMe: when the last step did not clip or
-    overflow, step during backward as a bet that this one will not either, writing a second slot of each
-    optimizer file; the bet is committed when it holds, else rolled back and the step taken after backward
+    overflow, step during backward as a bet that this one will not either, writing a second file per optimizer
+    sub-group; the bet is committed at step() when it holds, else rolled back and the step taken after backward
     (bit-identical either way; see [Note: the speculative step] in engine/optimizer.py). Needs disk room for a
-    second copy of the optimizer's files; without it, off (said once)."""
+    second copy of the optimizer's files, reserved at initialize; without it, off (said once)."""
     step_during_forward: bool = spec(True)
     """With the step after backward (clipping, fp16) under ZeRO-3 and the optimizer on NVMe: step each sub-group
     that holds no persistent parameter when the next forward first needs it, so the optimizer's I/O overlaps

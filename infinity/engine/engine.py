@@ -207,10 +207,15 @@ class Engine(ModuleSurface, DeepSpeedSurface):
             return False
         self.micro_steps_at_last_step = self.micro_steps
         t0 = time.perf_counter()
+        taken = None  # the step taken during backward, if it stands
         if self._overlapped is not None:
-            overflow, norm, stats = self._overlapped
-            self._overlapped = None
-            self.optimizer.check_hyper_since_backward()
+            taken, self._overlapped = self._overlapped, None
+            if self.optimizer.commit_bet():  # a bet is rolled back if the lr changed since backward began
+                self.optimizer.check_hyper_since_backward()
+            else:
+                taken = None
+        if taken is not None:
+            overflow, norm, stats = taken
         else:
             with self._span("optimizer step"):
                 overflow, norm, stats = self.optimizer.step(loss_scale=self.scaler.scale,
@@ -335,7 +340,7 @@ def _why_no_bet(plan: OffloadPlan) -> str:
     if short:
         return (f"no room on {', '.join(short)} (on some rank) for a second copy of the optimizer's files; the "
                 "step runs after backward")
-    return "a rank cannot (see its log)"
+    return "another rank has no room for it, or could not reserve it (see that rank's log)"
 
 
 def _cast_floats(obj, dtype, device):

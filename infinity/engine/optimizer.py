@@ -55,20 +55,24 @@ writes a second slot] in swap/state.py), keeping the one it read. The
 gradients are kept (the step after backward keeps them too). At the end of
 backward the checks of the step after backward run on them, unchanged
 (overflow on every rank, the global norm summed per shard in registration
-order) and with the same collectives; if the coefficient is 1.0, nothing
+order) and with the same collectives. If the coefficient is 1.0, nothing
 overflowed and no group got a gradient after it stepped (reentrant
-checkpointing), every group's written slot becomes live (`commit`), and
-the step is the one the step after backward would have taken, bit for bit:
-the same gradients, hyper-parameters, grad_scale and state (the
-hyper-parameters are read as each group steps, during backward, as the
-exact step during backward reads them: an lr changed between backward and
-step() is not seen by either, and step() warns if one was). Otherwise
-every group goes back to the slot it read (`rollback`, no I/O), the step
-count too, and `Engine.step` takes the step after backward as if nothing
-had been tried. The bet's cost is then its I/O, on a disk backward's reads
-share. So the engine bets only when the last step did not clip and did
-not overflow (its norm is known anyway); a run whose steps clip pays one
-wasted step when it starts to, and nothing while it goes on clipping.
+checkpointing), the bet holds, and `Engine.step` commits it (`commit_bet`:
+every group's written slot becomes live, no I/O) unless the parameter
+groups' lr, betas, eps or weight decay changed since backward began (on
+any rank: the bet read them as each group stepped). Until then reads see
+the old weights, as they would before a step after backward. So the step
+is the one the step after backward would have taken, bit for bit: the same
+gradients, hyper-parameters, grad_scale and state. Otherwise every group
+goes back to the slot it read (`rollback`, no I/O), the step count too,
+and `Engine.step` takes the step after backward as if nothing had been
+tried; a held bet whose step() never comes is rolled back by whatever
+touches the state next. A lost bet's cost is its I/O, on a disk backward's
+reads share. So the engine bets only when the last step neither clipped
+nor overflowed (its norm is known anyway): a run whose steps clip pays one
+wasted step when it starts to, and nothing while it goes on clipping. A
+bet lost to a late gradient turns bets off for the run, since every bet
+of that model would be lost the same way.
 
 It needs the state's slots on NVMe, and the shards read from the
 optimizer's files (parameters and optimizer both on NVMe: alias.py), so
@@ -266,6 +270,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._hyper_at_backward: list[tuple] = []  # the param groups' values when the last overlapped step began
         self._said_hyper = False
         self._speculative = False  # the step during backward is a bet ([Note: the speculative step])
+        self._bet: StepStats | None = None  # a bet that held at backward's end, for commit_bet() in step()
         self._spoiled = False  # a group got a gradient after it had stepped in the bet
         self.can_speculate = False
         """Every rank can take the step during backward as a bet ([Note: the speculative step])."""
@@ -298,7 +303,16 @@ class ShardedAdam(torch.optim.Optimizer):
                 log.warning("infinity: no speculative step: reserving the second slot of the optimizer's files "
                             "failed: %s", exc)
                 ok = False
-        return self.comm.all_ok(ok)
+        ok = self.comm.all_ok(ok)
+        if not ok:
+            self._drop_second_slots()  # reserved here, or on no rank, but some rank cannot bet
+        return ok
+
+    def _drop_second_slots(self) -> None:
+        """Remove whatever second-slot files were reserved: no bet will use them."""
+        for g in self.groups:
+            if isinstance(g.state, NvmeState):
+                g.state.drop_second_slot()
 
     @property
     def overlapping(self) -> bool:
@@ -479,7 +493,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def forget_gradients(self) -> None:
         """Drop every gradient accumulated so far (they belong to a state that a checkpoint load replaced),
-        those still in a bucket or a collective included."""
+        those still in a bucket or a collective included, and any bet taken on them."""
+        self.take_speculation()
         self.settle()
         self.buckets.discard()
         for g in self.groups:
@@ -600,18 +615,46 @@ class ShardedAdam(torch.optim.Optimizer):
                 self._rollback()
 
     def _settle_bet(self, stats: StepStats, loss_scale: float, max_norm: float):
-        """The end of a speculative step: commit it if the step after backward would have been the same, bit for
-        bit; else roll it back (see [Note: the speculative step])."""
+        """The end of a speculative step's backward: if the step after backward would scale or skip, roll it back
+        now and return None; else return (False, norm, stats) and leave the bet to commit_bet() in step() (see
+        [Note: the speculative step])."""
         self._speculative = False
         try:
             overflow, spoiled, norm = self._judge(loss_scale, spoiled=self._spoiled)
         except BaseException:
             self._rollback()
             raise
+        if spoiled and self.can_speculate:  # the model uses a parameter after its gradient is final: every bet
+            self.can_speculate = False       # would be lost the same way
+            self._drop_second_slots()
+            log.warning("infinity: a parameter got a gradient after its sub-group had stepped during backward "
+                        "(reentrant activation checkpointing of a parameter also used outside it), so the "
+                        "speculative step is off for this run; each bet would be lost")
         if overflow or spoiled or clip_coef(norm, max_norm) != 1.0:
             self._rollback()
             self.speculation, self.speculation_stats = "redone", stats
             return None
+        self._bet = stats
+        return False, norm, stats
+
+    def commit_bet(self) -> bool:
+        """At step(), after a bet that held at the end of backward: commit it (the written slots become live; no
+        I/O) and return True, or, if the parameter groups' lr, betas, eps or weight decay changed since backward
+        began on any rank, roll it back and return False: the step after backward, with the new values, is then
+        the step. True, doing nothing, when no bet is pending."""
+        stats, self._bet = self._bet, None
+        if stats is None:
+            return True
+        changed = torch.tensor([1.0 if self._hyper_now() != self._hyper_at_backward else 0.0])
+        if self.comm.all_reduce_(changed, op=torch.distributed.ReduceOp.MAX).item() > 0:
+            self._rollback()
+            self.speculation, self.speculation_stats = "redone", stats
+            return False
+        unwritten = [g.index for g in self.groups if not g.state.wrote_next]
+        if unwritten:  # checked before any slot flips: a commit is all the groups or none
+            self._rollback()
+            raise RuntimeError(f"infinity: the speculative step wrote no new state for sub-groups {unwritten[:3]}; "
+                               "it was rolled back")
         for g in self.groups:
             g.state.commit()
         self.store.alias.commit_pending()
@@ -623,21 +666,29 @@ class ShardedAdam(torch.optim.Optimizer):
         self.overflow = False
         self.store.flush()
         self.store.refresh_persistent()
-        return False, norm, stats
+        return True
+
+    def _drop_bet(self) -> None:
+        """A bet that held but whose step() never came (the next backward, a checkpoint load, close): rolled
+        back, as if no step had been taken; its gradients stay, as the step after backward's would."""
+        if self._bet is not None:
+            self._bet = None
+            self._rollback()
 
     def _hyper_now(self) -> list[tuple]:
         return [(float(pg["lr"]), tuple(pg["betas"]), float(pg["eps"]), float(pg["weight_decay"]))
                 for pg in self.param_groups]
 
     def check_hyper_since_backward(self) -> None:
-        """At step(), after a step taken during backward: say so if the parameter groups' hyper-parameters
-        changed since backward began, since that step used the earlier ones (once a run)."""
+        """At step(), after the exact step during backward: say so if the parameter groups' hyper-parameters
+        changed since backward began, since that step used the earlier ones (once a run; a bet is rolled back
+        instead: commit_bet)."""
         if self._hyper_now() != self._hyper_at_backward and not self._said_hyper:
             self._said_hyper = True
             log.warning("infinity: the optimizer's lr, betas, eps or weight_decay changed between backward and "
-                        "step(); the step was taken during backward (gradient_clipping 0, or a committed "
-                        "speculative step) with the values from when backward began. Change them after step(), "
-                        "as torch's lr schedulers do, or set infinity.step_during_backward to false")
+                        "step(); without gradient clipping the step is taken during backward, with the values from "
+                        "when backward began. Change them after step(), as torch's lr schedulers do, or set "
+                        "infinity.step_during_backward to false")
 
     def take_speculation(self) -> tuple[str | None, StepStats | None]:
         """The last step's bet ("committed", "redone" or None) and a rolled-back bet's I/O; both are then
@@ -649,6 +700,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def _rollback(self) -> None:
         """Every group back to the slot it read, its checksums with it, and the step count: as before the bet."""
         self._speculative = False
+        self._bet = None
         self.step_count -= 1
         for g in self.groups:
             g.state.rollback()
@@ -768,7 +820,9 @@ class ShardedAdam(torch.optim.Optimizer):
         self.step_count = steps
 
     def settle(self) -> None:
-        """Finish a deferred step (see [Note: the step finishes in the next forward]); a no-op without one."""
+        """Finish a deferred step (see [Note: the step finishes in the next forward]); a no-op without one. A bet
+        whose step() never came is rolled back first."""
+        self._drop_bet()
         deferred = self._take_deferred()
         if deferred is None:
             return
@@ -908,6 +962,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 mp.param.grad = None
 
     def close(self) -> None:
+        self._drop_bet()  # its step() never came
         deferred = self._take_deferred()
         if deferred is not None:  # the swap files go with the engine: the rest of the step would be written for
             deferred.abandon(quiet=True)  # nobody

@@ -301,8 +301,9 @@ class NvmeState(GroupState):
     A step taken before it is known to stand (during backward, before the
     global norm says whether the clip scales: [Note: the speculative step] in
     engine/optimizer.py) must keep the state it started from until it
-    commits. So the group has two partitions, `<id>` and `<id>.b` (the
-    second made by the first such write). `speculate()` sends the next write
+    commits. So the group has two partitions, each a file of its own: `<id>`
+    and `<id>.b` (the second's blocks reserved at setup where the config may
+    bet, `reserve_second_slot`, and removed if no bet can be taken). `speculate()` sends the next write
     to the slot that is not live, leaving the live one's file as it was;
     reads, lends and shard reads (engine/alias.py) keep going to the live
     slot. `commit()` makes the written slot live; `rollback()` forgets it, so
@@ -325,6 +326,7 @@ class NvmeState(GroupState):
         self._slot = 0  # which of _ids is live
         self._next: int | None = None  # the slot the next write goes to, while speculating
         self._wrote_next = False
+        self._opened = 0  # open()s so far: a lend made before the last one may show changed values
         self._read = None  # the prefetched (or open()'s) read future
         self._blank = None  # the pool buffer open(blank=True) took, until close() hands it to the write
         self._words = state_nbytes(numel, moments, master=master) // 4
@@ -373,6 +375,20 @@ class NvmeState(GroupState):
         blocks as it goes (TensorSwapper.preallocate); a filesystem that cannot leaves it to that write."""
         self.swapper.preallocate(self._ids[1], torch.float32, self._words, tail_nbytes=self.tail_nbytes)
 
+    def drop_second_slot(self) -> None:
+        """Remove the second slot's file (reserved, or written by an earlier bet), leaving the live slot; the state
+        must be at rest with slot 0 live."""
+        other = self._ids[1]
+        if self._slot == 1:
+            raise RuntimeError(f"{self._ids[0]}: the second slot is live")
+        if other in self.swapper.registry:
+            self.swapper.remove(other)
+
+    @property
+    def wrote_next(self) -> bool:
+        """A speculative write went to the slot that is not live (commit() may flip to it)."""
+        return self._next is not None and self._wrote_next
+
     def speculate(self) -> None:
         """Send the next write to the slot that is not live (see [Note: a speculative step writes a second
         slot]); commit() or rollback() ends it."""
@@ -386,6 +402,7 @@ class NvmeState(GroupState):
         if not self._wrote_next:
             raise RuntimeError(f"{self._ids[0]}: commit of a speculative step that wrote nothing")
         self._slot, self._next = self._next, None
+        self._opened += 1  # a lend of the old slot's read is stale from here on
 
     def rollback(self) -> None:
         """Forget the speculative write: the live slot still holds the state from before it. A write that failed
@@ -421,10 +438,14 @@ class NvmeState(GroupState):
     def lend(self, offset: int, numel: int):
         if self._read is None or not self.master:
             return None
-        return _Lent(self._read, slice(offset, offset + numel))
+        return _Lent(self._read, slice(offset, offset + numel), self)
 
     def open(self, *, blank: bool = False) -> AdamViews:
+        self._opened += 1  # the work may change the buffer in place: what was lent of it is stale
         if blank:
+            if self._next is not None:
+                raise RuntimeError(f"{self.id}: a blank fill while a speculative step is pending would write the "
+                                   "live slot")
             self._blank = self.swapper.pool.acquire(f"fill {self.id}")
             return self._views(self._blank)
         fut, self._read = self._read or self.swapper.swap_in(self.id), None
@@ -486,14 +507,23 @@ class NvmeState(GroupState):
 class _Lent:
     """What lend() returns: the master's slice, once the state's read (if any) has landed and been verified."""
 
-    __slots__ = ("_read", "_view")
+    __slots__ = ("_read", "_view", "_state", "_opened")
 
-    def __init__(self, read, view):
-        self._read, self._view = read, view
+    def __init__(self, read, view, state=None):
+        self._read, self._view, self._state = read, view, state
+        self._opened = state._opened if state is not None else 0
 
     def wait(self) -> torch.Tensor:
         if self._read is None:
             return self._view
+        if self._state is not None and self._state._opened != self._opened:
+            # The read was opened for Adam since it was lent: the buffer may hold the new weights. Backward
+            # wanted the old ones (reentrant checkpointing that uses the parameter after its group stepped).
+            raise RuntimeError(f"{self._state.label}: backward took a parameter's master weights from its "
+                               "optimizer sub-group's state after that sub-group had stepped during backward "
+                               "(reentrant activation checkpointing of a parameter also used outside the "
+                               "checkpoint): use non-reentrant checkpointing, or set infinity.step_during_backward "
+                               "to false")
         return self._read.wait()[self._view]  # the p region is the partition's first numel words
 
 

@@ -112,6 +112,20 @@ def test_a_write_to_a_second_slot_keeps_the_first(swapper):
     assert swapper.pool.free_count == 4
 
 
+def test_a_preallocated_partition_has_its_blocks_before_its_first_write(swapper):
+    """preallocate reserves the file (header and content) at once; the first write then fills it,
+    and reads back as any other partition. A layout that does not match is refused."""
+    if not swapper.preallocate("p.b", torch.float32, 200_000):
+        pytest.skip("this filesystem has no posix_fallocate (the first write allocates)")
+    assert os.stat(swapper.path_of("p.b")).st_size == HEADER + 4 * 200_000
+    t = torch.randn(200_000)
+    swapper.swap_out("p.b", t).wait()
+    assert torch.equal(swapper.swap_in("p.b").wait(), t)
+    swapper.release("p.b")
+    with pytest.raises(ValueError, match="registered as 200000 x torch.float32"):
+        swapper.swap_out("p.b", torch.zeros(10))
+
+
 def test_shape_mismatch(swapper):
     swapper.swap_out("a", torch.zeros(10)).wait()
     with pytest.raises(ValueError, match=r"swap_out\('a'\): registered as 10 x torch.float32, got 11 x torch.float32"):
