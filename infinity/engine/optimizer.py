@@ -271,6 +271,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._said_hyper = False
         self._speculative = False  # the step during backward is a bet ([Note: the speculative step])
         self._bet: StepStats | None = None  # a bet that held at backward's end, for commit_bet() in step()
+        self._dropped = False  # that bet was rolled back before step() came
         self._spoiled = False  # a group got a gradient after it had stepped in the bet
         self.can_speculate = False
         """Every rank can take the step during backward as a bet ([Note: the speculative step])."""
@@ -494,8 +495,9 @@ class ShardedAdam(torch.optim.Optimizer):
     def forget_gradients(self) -> None:
         """Drop every gradient accumulated so far (they belong to a state that a checkpoint load replaced),
         those still in a bucket or a collective included, and any bet taken on them."""
+        self.settle()  # a bet pending is rolled back
         self.take_speculation()
-        self.settle()
+        self._dropped = False
         self.buckets.discard()
         for g in self.groups:
             g.grad = None
@@ -520,7 +522,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._overlap_hyper = dict(step=self.step_count, grad_scale=loss_scale / 1.0)
         self._overlap_sq = 0.0
         self._hyper_at_backward = self._hyper_now()
-        self._speculative, self._spoiled = speculative, False
+        self._speculative, self._spoiled, self._dropped = speculative, False, False
         self.speculation, self.speculation_stats = None, None
         if speculative:
             for g in self.groups:
@@ -624,15 +626,12 @@ class ShardedAdam(torch.optim.Optimizer):
         except BaseException:
             self._rollback()
             raise
-        if spoiled and self.can_speculate:  # the model uses a parameter after its gradient is final: every bet
-            self.can_speculate = False       # would be lost the same way
-            self._drop_second_slots()
-            log.warning("infinity: a parameter got a gradient after its sub-group had stepped during backward "
-                        "(reentrant activation checkpointing of a parameter also used outside it), so the "
-                        "speculative step is off for this run; each bet would be lost")
         if overflow or spoiled or clip_coef(norm, max_norm) != 1.0:
             self._rollback()
             self.speculation, self.speculation_stats = "redone", stats
+            if spoiled:  # the model uses a parameter after its gradient is final: every bet would be lost so
+                self._stop_betting("a parameter got a gradient after its sub-group had stepped during backward "
+                                   "(reentrant activation checkpointing of a parameter also used outside it)")
             return None
         self._bet = stats
         return False, norm, stats
@@ -643,13 +642,17 @@ class ShardedAdam(torch.optim.Optimizer):
         began on any rank, roll it back and return False: the step after backward, with the new values, is then
         the step. True, doing nothing, when no bet is pending."""
         stats, self._bet = self._bet, None
-        if stats is None:
-            return True
+        if stats is None:  # no bet, or one rolled back since backward (another backward came before this step)
+            dropped, self._dropped = self._dropped, False
+            return not dropped
         changed = torch.tensor([1.0 if self._hyper_now() != self._hyper_at_backward else 0.0])
         if self.comm.all_reduce_(changed, op=torch.distributed.ReduceOp.MAX).item() > 0:
             self._rollback()
             self.speculation, self.speculation_stats = "redone", stats
+            self._stop_betting("the lr, betas, eps or weight_decay changed between backward and step() (change "
+                               "them after step(), as torch's lr schedulers do)")
             return False
+        self._drop_early()  # reads a forward since backward started of the slots about to stop being live
         unwritten = [g.index for g in self.groups if not g.state.wrote_next]
         if unwritten:  # checked before any slot flips: a commit is all the groups or none
             self._rollback()
@@ -670,10 +673,21 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _drop_bet(self) -> None:
         """A bet that held but whose step() never came (the next backward, a checkpoint load, close): rolled
-        back, as if no step had been taken; its gradients stay, as the step after backward's would."""
+        back, as if no step had been taken; its gradients stay, as the step after backward's would, and the
+        step() that comes takes the step after backward (commit_bet says so)."""
         if self._bet is not None:
-            self._bet = None
+            stats = self._bet
             self._rollback()
+            self._dropped = True
+            self.speculation, self.speculation_stats = "redone", stats
+
+    def _stop_betting(self, why: str) -> None:
+        """No more bets this run (every rank comes here together: `why` is an all-reduced verdict)."""
+        if self.can_speculate:
+            self.can_speculate = False
+            self._drop_second_slots()
+            log.warning("infinity: the speculative step is off for the rest of this run: %s; each bet would be "
+                        "lost", why)
 
     def _hyper_now(self) -> list[tuple]:
         return [(float(pg["lr"]), tuple(pg["betas"]), float(pg["eps"]), float(pg["weight_decay"]))

@@ -29,6 +29,8 @@ import time
 import torch
 from dataclasses import dataclass
 
+from infinity.swap.state import StaleLend
+
 _RESYNC_WINDOW = 64
 
 # [Note: the reuse cache is planned]
@@ -147,7 +149,11 @@ class PrefetchScheduler:
                     raise
                 t0 = time.perf_counter()
                 try:
-                    view = fut.wait()
+                    try:
+                        view = fut.wait()
+                    except StaleLend:  # lent before its group stepped in a bet: the live file has the old weights
+                        fut, lent = reader.swap_in(sid), False
+                        view = fut.wait()
                 finally:
                     st.stall_s += time.perf_counter() - t0
                 try:

@@ -376,11 +376,11 @@ class NvmeState(GroupState):
         self.swapper.preallocate(self._ids[1], torch.float32, self._words, tail_nbytes=self.tail_nbytes)
 
     def drop_second_slot(self) -> None:
-        """Remove the second slot's file (reserved, or written by an earlier bet), leaving the live slot; the state
-        must be at rest with slot 0 live."""
-        other = self._ids[1]
-        if self._slot == 1:
-            raise RuntimeError(f"{self._ids[0]}: the second slot is live")
+        """Remove the file of the slot that is not live (reserved, or written by an earlier bet); no bet may be
+        pending."""
+        if self._next is not None:
+            raise RuntimeError(f"{self.id}: a speculative step is pending; commit or roll it back first")
+        other = self._ids[1 - self._slot]
         if other in self.swapper.registry:
             self.swapper.remove(other)
 
@@ -401,6 +401,8 @@ class NvmeState(GroupState):
             return
         if not self._wrote_next:
             raise RuntimeError(f"{self._ids[0]}: commit of a speculative step that wrote nothing")
+        if self._read is not None:  # a read of the old slot (a forward's early read for the next step): stale now
+            self.abandon()
         self._slot, self._next = self._next, None
         self._opened += 1  # a lend of the old slot's read is stale from here on
 
@@ -504,6 +506,11 @@ class NvmeState(GroupState):
                    for pid in self._ids)
 
 
+class StaleLend(RuntimeError):
+    """A lent master view whose state was opened for Adam since, during a speculative step: the caller reads the
+    shard from the live slot's file instead ([Note: the speculative step] in engine/optimizer.py)."""
+
+
 class _Lent:
     """What lend() returns: the master's slice, once the state's read (if any) has landed and been verified."""
 
@@ -519,6 +526,8 @@ class _Lent:
         if self._state is not None and self._state._opened != self._opened:
             # The read was opened for Adam since it was lent: the buffer may hold the new weights. Backward
             # wanted the old ones (reentrant checkpointing that uses the parameter after its group stepped).
+            if self._state._next is not None:  # a bet: the live slot's file still holds them
+                raise StaleLend(self._state.label)
             raise RuntimeError(f"{self._state.label}: backward took a parameter's master weights from its "
                                "optimizer sub-group's state after that sub-group had stepped during backward "
                                "(reentrant activation checkpointing of a parameter also used outside the "

@@ -76,8 +76,14 @@ class NanoGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1))
 
 
-def config(disk, *, defer, precision="bf16", params="nvme", gas=1, clip=1.0, speculate=False):
+def config(disk, *, defer, precision="bf16", params="nvme", gas=1, clip=1.0, speculate=False, zero=None):
+    """`zero`: zero_optimization keys set last (an offload_optimizer dict is merged into the one here)."""
     nvme = {"device": "nvme", "nvme_path": str(disk)}
+    z = {"stage": 3, "sub_group_size": 20_000, "stage3_param_persistence_threshold": 1000,
+         "offload_param": nvme if params == "nvme" else {"device": params},
+         "offload_optimizer": dict(nvme, buffer_count=4)}
+    for key, value in (zero or {}).items():
+        z[key] = dict(z[key], **value) if key == "offload_optimizer" else value
     return load_config({
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
         "bf16": {"enabled": precision == "bf16"},
@@ -85,9 +91,7 @@ def config(disk, *, defer, precision="bf16", params="nvme", gas=1, clip=1.0, spe
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
                                                      "warmup_num_steps": 3}},
-        "zero_optimization": {"stage": 3, "sub_group_size": 20_000, "stage3_param_persistence_threshold": 1000,
-                              "offload_param": nvme if params == "nvme" else {"device": params},
-                              "offload_optimizer": dict(nvme, buffer_count=4)},
+        "zero_optimization": z,
         "infinity": {"step_during_forward": defer, "speculative_step": speculate}})
 
 
