@@ -71,8 +71,11 @@ touches the state next. A lost bet's cost is its I/O, on a disk backward's
 reads share. So the engine bets only when the last step neither clipped
 nor overflowed (its norm is known anyway): a run whose steps clip pays one
 wasted step when it starts to, and nothing while it goes on clipping. A
-bet lost to a late gradient turns bets off for the run, since every bet
-of that model would be lost the same way.
+bet lost to a late gradient, or to an lr changed before step(), turns
+bets off for the run, since every bet of that model or loop would be lost
+the same way. During a bet, a weight backward takes from a state lent
+before the bet stepped it in place (reentrant recompute) is read again
+from the live file instead (`StaleLend`).
 
 It needs the state's slots on NVMe, and the shards read from the
 optimizer's files (parameters and optimizer both on NVMe: alias.py), so
