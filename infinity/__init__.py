@@ -15,9 +15,9 @@ from infinity.config import load_config  # noqa: E402
 from infinity.engine import gathered_parameters, initialize, zero_init  # noqa: E402
 from infinity.errors import (  # noqa: E402
     CheckpointCorruptionError, CheckpointError, ConfigError, DataError, DirectoryInUse, InfinityError, NoLatest,
-    NoPlacement, PartitionedStateError, PoolExhausted, RankFailure, SwapCorruptionError)
+    NoPlacement, PartitionedStateError, PoolExhausted, RankFailure, StaleLend, SwapCorruptionError)
 
 __all__ = ["io", "load_config", "zero_init", "initialize", "gathered_parameters", "InfinityError", "ConfigError",
            "SwapCorruptionError", "PartitionedStateError", "RankFailure", "CheckpointError",
            "CheckpointCorruptionError", "NoLatest", "DataError", "DirectoryInUse", "NoPlacement", "PoolExhausted",
-           "__version__"]
+           "StaleLend", "__version__"]

@@ -77,3 +77,9 @@ class NoLatest(CheckpointError):
 
 class PoolExhausted(InfinityError, TimeoutError):
     """acquire() waited longer than its timeout; the message says who holds the buffers."""
+
+
+class StaleLend(InfinityError, RuntimeError):
+    """Internal: a master weight lent from an optimizer state that a speculative step has since stepped in place;
+    the scheduler reads the shard from the live file instead ([Note: the speculative step] in
+    engine/optimizer.py). A user never sees it."""

@@ -29,7 +29,7 @@ import time
 import torch
 from dataclasses import dataclass
 
-from infinity.swap.state import StaleLend
+from infinity.errors import StaleLend
 
 _RESYNC_WINDOW = 64
 

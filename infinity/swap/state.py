@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infinity.errors import StaleLend
 from infinity.optim import cpu_adam_step, moments8
 from infinity.optim.rounding import bf16_stochastic
 from infinity.swap.registry import Residency
@@ -504,11 +505,6 @@ class NvmeState(GroupState):
             return False
         return all(pid not in self.swapper.registry or self.swapper.registry[pid].buffer is None
                    for pid in self._ids)
-
-
-class StaleLend(RuntimeError):
-    """A lent master view whose state was opened for Adam since, during a speculative step: the caller reads the
-    shard from the live slot's file instead ([Note: the speculative step] in engine/optimizer.py)."""
 
 
 class _Lent:
