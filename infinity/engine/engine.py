@@ -336,7 +336,7 @@ def _why_no_bet(plan: OffloadPlan) -> str:
     if plan.shard_source is not ShardSource.OPTIMIZER_FILE:
         return ("it needs parameters and optimizer both on NVMe, the shards read from the optimizer's files "
                 "(here they live elsewhere, and a rolled-back bet could not restore them)")
-    short = [d.path for d in plan.disk if d.free < d.ranks * (d.param_bytes + 2 * d.optimizer_bytes)]
+    short = [d.path for d in plan.disk if not d.room_for_second_copy]
     if short:
         return (f"no room on {', '.join(short)} (on some rank) for a second copy of the optimizer's files; the "
                 "step runs after backward")

@@ -296,7 +296,7 @@ class ShardedAdam(torch.optim.Optimizer):
         may bet (clipping or fp16), the second slots' files are reserved now."""
         ok = (self.store.shard_source is ShardSource.OPTIMIZER_FILE and bool(self.groups)
               and all(isinstance(g.state, NvmeState) for g in self.groups)
-              and all(d.free >= d.ranks * (d.param_bytes + 2 * d.optimizer_bytes) for d in plan.disk))
+              and all(d.room_for_second_copy for d in plan.disk))
         inf = cfg.infinity
         if ok and inf.step_during_backward and inf.speculative_step and (cfg.gradient_clipping > 0
                                                                          or cfg.fp16.enabled):

@@ -111,6 +111,12 @@ class DiskNeed:
     optimizer_slots: tuple[int, ...] = ()
     """Which of offload_optimizer's paths (their indices) are on this filesystem."""
 
+    @property
+    def room_for_second_copy(self) -> bool:
+        """The filesystem also holds a second copy of the optimizer's files: what the speculative step writes to
+        ([Note: the speculative step] in optimizer.py)."""
+        return self.free >= self.ranks * (self.param_bytes + 2 * self.optimizer_bytes)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SubGroupPlan:

@@ -31,8 +31,9 @@ def build(disk, *, speculate, model=NanoGPT, **kw):
     return initialize(m, cfg)
 
 
-def run(disk, steps, *, poke=None, **kw):
-    """Losses, final weights and each step's report of `steps` steps; poke(engine, step) before each."""
+def run(disk, steps, *, poke=None, between=None, **kw):
+    """Losses, final weights and each step's report of `steps` steps; poke(engine, step) before each, and
+    between(engine, step) between the last backward and step()."""
     e = build(disk, **kw)
     try:
         losses = []
@@ -43,6 +44,8 @@ def run(disk, steps, *, poke=None, **kw):
                 x, y = batch(3 * (s % 3) + m)  # three batches, again and again: epochs of a tiny dataset
                 loss = e(x, y)
                 e.backward(loss)
+                if between is not None:
+                    between(e, s)
                 e.step()
             losses.append(loss.item())
         return losses, weights(e), list(e.reports), e
@@ -263,30 +266,11 @@ def test_an_lr_changed_between_backward_and_step_rolls_the_bet_back(disk_dir, ca
             for pg in e.optimizer.param_groups:
                 pg["lr"] *= 0.5
 
-    runs = {}
-    for speculate in (False, True):
-        e = build(disk_dir / str(speculate), speculate=speculate, clip=1e4)
-        try:
-            for s in range(4):
-                x, y = batch(s)
-                e.backward(e(x, y))
-                halve(e, s)
-                e.step()
-            runs[speculate] = weights(e), [r.speculation for r in e.reports]
-        finally:
-            e.close()
-    same(runs[False][0], runs[True][0])
-    assert runs[True][1] == [None, "committed", "redone", None]  # then no more bets: each would be lost
-    e = build(disk_dir / "exact", speculate=True, clip=0.0)
-    try:
-        with caplog.at_level(logging.WARNING, logger="infinity"):
-            for s in range(4):
-                x, y = batch(s)
-                e.backward(e(x, y))
-                halve(e, s)
-                e.step()
-    finally:
-        e.close()
+    runs = {sp: run(disk_dir / str(sp), 4, speculate=sp, clip=1e4, between=halve) for sp in (False, True)}
+    same(runs[False][1], runs[True][1])
+    assert [r.speculation for r in runs[True][2]] == [None, "committed", "redone", None]  # then no more bets
+    with caplog.at_level(logging.WARNING, logger="infinity"):
+        run(disk_dir / "exact", 4, speculate=True, clip=0.0, between=halve)
     said = [r.getMessage() for r in caplog.records if "changed between backward and step()" in r.getMessage()]
     # the bet's run: bets off after the first (each would be lost); the exact run: the values it used, once
     assert len(said) == 2 and "speculative step is off" in said[0] and "without gradient clipping" in said[1]
@@ -326,22 +310,15 @@ def test_a_late_gradient_after_held_bets_loses_that_bet_only(disk_dir):
 def test_a_second_backward_before_step_takes_the_step_after_backward(disk_dir):
     """A held bet whose step() comes after another backward (an auxiliary loss): the bet is rolled back by that
     backward, and step() takes the step after backward with both gradients, as without bets."""
-    out = {}
-    for speculate in (False, True):
-        e = build(disk_dir / str(speculate), speculate=speculate, clip=1e4)
-        try:
-            for s in range(3):
-                x, y = batch(s)
-                e.backward(e(x, y))
-                if s == 2:
-                    x, y = batch(7)
-                    e.backward(e(x, y), retain_graph=True)  # retain_graph: never a step during backward
-                e.step()
-            out[speculate] = weights(e), [r.speculation for r in e.reports], e.optimizer.step_count
-        finally:
-            e.close()
-    same(out[False][0], out[True][0])
-    assert out[True][1:] == ([None, "committed", "redone"], 3) and out[False][2] == 3
+    def auxiliary(e, s):
+        if s == 2:
+            x, y = batch(7)
+            e.backward(e(x, y), retain_graph=True)  # retain_graph: never a step during backward
+
+    out = {sp: run(disk_dir / str(sp), 3, speculate=sp, clip=1e4, between=auxiliary) for sp in (False, True)}
+    same(out[False][1], out[True][1])
+    assert [r.speculation for r in out[True][2]] == [None, "committed", "redone"]
+    assert out[True][3].optimizer.step_count == out[False][3].optimizer.step_count == 3
 
 
 LEAN = {"stage3_prefetch_bucket_size": 10 ** 8, "stage3_max_reuse_distance": 0,
@@ -352,22 +329,17 @@ LEAN = {"stage3_prefetch_bucket_size": 10 ** 8, "stage3_max_reuse_distance": 0,
 def test_a_forward_between_backward_and_step_leaves_no_read_behind(disk_dir):
     """A forward (grad on) between backward and step() starts reads of the state for the next step; the commit
     that follows drops those of the files that stop being live, and the bets go on, bit for bit."""
-    out = {}
-    for speculate in (False, True):
-        e = build(disk_dir / str(speculate), speculate=speculate, clip=1e4, zero=LEAN)
-        try:
-            for s in range(5):
-                x, y = batch(s)
-                e.backward(e(x, y))
-                if s == 2:
-                    e(*batch(9))
-                e.step()
-            assert all(g.state.at_rest() for g in e.optimizer.groups) or e.optimizer.pending is not None
-            out[speculate] = weights(e), [r.speculation for r in e.reports]
-        finally:
-            e.close()
-    same(out[False][0], out[True][0])
-    assert out[True][1] == [None] + ["committed"] * 4
+    def forward(e, s):
+        if s == 2:
+            e(*batch(9))
+
+    def at_rest(e, s):  # before each step: the last one left no read behind (or its step is deferred)
+        assert all(g.state.at_rest() for g in e.optimizer.groups) or e.optimizer.pending is not None
+
+    out = {sp: run(disk_dir / str(sp), 5, speculate=sp, clip=1e4, zero=LEAN, between=forward, poke=at_rest)
+           for sp in (False, True)}
+    same(out[False][1], out[True][1])
+    assert [r.speculation for r in out[True][2]] == [None] + ["committed"] * 4
 
 
 def test_a_weight_lent_before_its_group_stepped_in_a_bet_is_read_again(disk_dir):
